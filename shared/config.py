@@ -1,0 +1,266 @@
+"""Run configuration: one flat dataclass per job, two profiles, `key=value` overrides.
+
+Every knob a user can type on the command line is a field of a dataclass. A job picks its
+dataclass (``TrainConfig`` or a subclass with extra fields), a ``smoke`` and a ``full``
+profile (dicts of field values), and calls :func:`parse_args`. Everything is parsed and
+validated *before* Ray starts, and every problem is reported as one sentence.
+
+Flat rather than nested on purpose: ``num_workers=4 lr=3e-4`` is what people type, and one
+flat namespace makes a clash between two knobs impossible to miss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+PROFILES = ("smoke", "full")
+
+
+class ConfigError(ValueError):
+    """A bad setting. Its message is one sentence meant for the user."""
+
+
+def setting(default: Any, help: str, **kwargs: Any) -> Any:
+    """A user-facing dataclass field: a default and the one-line help `--help` prints."""
+    return field(default=default, metadata={"help": help}, **kwargs)
+
+
+@dataclass
+class BaseConfig:
+    """Settings every job has: where the run lives and how many workers it gets."""
+
+    run_name: str = setting("", "Run name under storage_path/<job>; reusing a name resumes it.")
+    storage_path: str = setting("runs", "Root for runs: <storage_path>/<job>/<run_name>/.")
+    seed: int = setting(0, "Seed for model init, data order and dropout.")
+    ray_address: str = setting(
+        "", "Ray cluster to join ('auto' or host:port); empty = RAY_ADDRESS or a new local one."
+    )
+    num_workers: int = setting(2, "Training workers (one process per device).")
+    use_gpu: bool = setting(False, "One GPU per worker; CPU + gloo otherwise.")
+    cpus_per_worker: float = setting(1.0, "CPUs reserved per worker (fractional is fine).")
+    max_failures: int = setting(0, "Worker-group restarts Ray Train may do before giving up.")
+    keep_checkpoints: int = setting(2, "Checkpoints kept in storage; 0 = all.")
+
+    # set by the launcher, not by users
+    job: str = field(default="", metadata={"internal": True})
+    profile: str = field(default="smoke", metadata={"internal": True})
+    driver_start_time: float = field(default=0.0, metadata={"internal": True})
+
+    @property
+    def job_storage(self) -> str:
+        """Ray Train's storage_path: one folder per job, one run folder per run name inside."""
+        return os.path.join(self.storage_path, self.job)
+
+    @property
+    def run_dir(self) -> str:
+        """`<storage_path>/<job>/<run_name>`: checkpoints, metrics and summary.json."""
+        return os.path.join(self.storage_path, self.job, self.run_name)
+
+    def validate(self) -> None:
+        """Raise ConfigError with one sentence for the first problem found."""
+        _at_least(self, "num_workers", 1)
+        _at_least(self, "max_failures", 0)
+        _at_least(self, "keep_checkpoints", 0)
+        if self.cpus_per_worker <= 0:
+            raise ConfigError(f"cpus_per_worker must be > 0 (got {self.cpus_per_worker}).")
+        if "/" in self.run_name or self.run_name in (".", ".."):
+            raise ConfigError(f"run_name must be a plain name, not a path (got '{self.run_name}').")
+
+
+@dataclass
+class TrainConfig(BaseConfig):
+    """Settings shared by every training job. Jobs subclass it to add their own knobs."""
+
+    # --- model ---------------------------------------------------------------------------
+    model: str = setting("gpt2-tiny", "Model preset (see shared/models.py).")
+    pretrained: str = setting("", "Hub name or path to load weights from; empty = random init.")
+
+    # --- data ----------------------------------------------------------------------------
+    dataset: str = setting("", "Parquet file/dir (local, s3://, hf://); empty = generated.")
+    text_column: str = setting("text", "Column holding the raw text.")
+    tokenizer: str = setting("", "Hub name or local dir of a tokenizer; empty = trained locally.")
+    seq_len: int = setting(64, "Tokens per training sequence (packed, no padding).")
+    micro_batch_size: int = setting(8, "Sequences per worker per forward/backward.")
+    grad_accum: int = setting(1, "Micro-batches accumulated per optimizer step.")
+    max_samples: int = setting(0, "Use only the first N rows of the dataset; 0 = all.")
+    smoke_rows: int = setting(2000, "Rows of generated text when no dataset is given.")
+
+    # --- optimisation --------------------------------------------------------------------
+    max_steps: int = setting(30, "Optimizer steps to train for (spans epochs as needed).")
+    lr: float = setting(3e-3, "Peak learning rate (AdamW).")
+    min_lr_ratio: float = setting(0.1, "Cosine decays to lr * min_lr_ratio.")
+    warmup_steps: int = setting(3, "Linear warm-up steps before the cosine decay.")
+    weight_decay: float = setting(0.1, "AdamW weight decay (not applied to biases and norms).")
+    grad_clip: float = setting(1.0, "Clip the global gradient norm to this; 0 = off.")
+    dtype: str = setting("auto", "Compute dtype: auto (bf16 on GPUs that have it) | fp32 | bf16.")
+
+    # --- checkpointing and logging -------------------------------------------------------
+    checkpoint_every: int = setting(10, "Save a checkpoint every N steps (and at the end).")
+    log_every: int = setting(5, "Print a progress line every N steps.")
+    peak_tflops: float = setting(
+        0.0, "Per-device peak TFLOP/s for MFU; 0 = look the device up (see shared/metrics.py)."
+    )
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per optimizer step across all workers."""
+        return self.micro_batch_size * self.grad_accum * self.num_workers
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.seq_len
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("micro_batch_size", "grad_accum", "max_steps", "checkpoint_every"):
+            _at_least(self, name, 1)
+        for name in ("log_every", "smoke_rows"):
+            _at_least(self, name, 1)
+        for name in ("warmup_steps", "max_samples"):
+            _at_least(self, name, 0)
+        _at_least(self, "seq_len", 2)
+        if self.lr <= 0:
+            raise ConfigError(f"lr must be > 0 (got {self.lr}).")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"min_lr_ratio must be between 0 and 1 (got {self.min_lr_ratio}).")
+        if self.grad_clip < 0:
+            raise ConfigError(f"grad_clip must be >= 0 (got {self.grad_clip}).")
+        if self.warmup_steps >= self.max_steps:
+            raise ConfigError(
+                f"warmup_steps ({self.warmup_steps}) must be smaller than "
+                f"max_steps ({self.max_steps})."
+            )
+        if self.dtype not in ("auto", "fp32", "bf16"):
+            raise ConfigError(f"dtype must be one of auto, fp32, bf16 (got '{self.dtype}').")
+        from shared.models import PRESETS  # local import: models pulls in torch
+
+        if self.model not in PRESETS:
+            raise ConfigError(
+                f"unknown model '{self.model}'; valid presets: {', '.join(sorted(PRESETS))}."
+            )
+        if self.dataset and "://" not in self.dataset and not os.path.exists(self.dataset):
+            raise ConfigError(f"dataset path '{self.dataset}' does not exist.")
+        if self.tokenizer and os.sep in self.tokenizer and not os.path.isdir(self.tokenizer):
+            raise ConfigError(f"tokenizer directory '{self.tokenizer}' does not exist.")
+
+
+def _at_least(cfg: Any, name: str, minimum: int) -> None:
+    value = getattr(cfg, name)
+    if value < minimum:
+        raise ConfigError(f"{name} must be >= {minimum} (got {value}).")
+
+
+# ------------------------------------------------------------------------------------------
+# key=value parsing
+
+
+def user_fields(cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+
+
+def _parse_value(name: str, text: str, annotation: Any) -> Any:
+    if annotation is bool:
+        lowered = text.lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{name} must be true or false (got '{text}').")
+    if annotation in (int, float):
+        try:
+            return annotation(text)
+        except ValueError:
+            noun = "an integer" if annotation is int else "a number"
+            raise ConfigError(f"{name} must be {noun} (got '{text}').") from None
+    if annotation is str:
+        return text
+    if isinstance(annotation, types.UnionType):  # e.g. `int | None`
+        if text.lower() in ("none", "null", ""):
+            return None
+        (inner,) = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _parse_value(name, text, inner)
+    raise TypeError(f"unsupported config type {annotation!r} for {name}")
+
+
+def apply_overrides(cfg: BaseConfig, overrides: dict[str, str]) -> BaseConfig:
+    """Return a copy of ``cfg`` with string overrides parsed to each field's type."""
+    fields = user_fields(type(cfg))
+    hints = typing.get_type_hints(type(cfg))
+    values = {}
+    for name, text in overrides.items():
+        if name not in fields:
+            raise ConfigError(
+                f"unknown setting '{name}'; valid settings: {', '.join(sorted(fields))}."
+            )
+        values[name] = _parse_value(name, text, hints[name])
+    return dataclasses.replace(cfg, **values)
+
+
+def split_overrides(args: list[str]) -> dict[str, str]:
+    overrides = {}
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"expected key=value, got '{arg}'.")
+        overrides[key.strip()] = value.strip()
+    return overrides
+
+
+def build_config(
+    cls: type, profiles: dict[str, dict[str, Any]], profile: str, overrides: dict[str, str]
+) -> Any:
+    """Defaults <- profile <- command-line overrides, then validation."""
+    if profile not in profiles:
+        raise ConfigError(f"unknown profile '{profile}'; valid profiles: {', '.join(profiles)}.")
+    cfg = cls(**profiles[profile])
+    cfg = apply_overrides(cfg, overrides)
+    cfg.profile = profile
+    cfg.validate()
+    if not cfg.run_name:  # a fresh run each time unless the user names one to resume
+        cfg.run_name = f"{profile}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if "://" not in cfg.storage_path:  # workers run in another cwd: hand them absolute paths
+        cfg.storage_path = os.path.abspath(cfg.storage_path)
+    return cfg
+
+
+def describe(cls: type) -> str:
+    """One line per setting with its default and help, for ``--help``."""
+    lines = []
+    for name, f in user_fields(cls).items():
+        lines.append(f"  {name}={f.default!r:<14} {f.metadata.get('help', '')}")
+    return "\n".join(lines)
+
+
+def parse_args(
+    job: str,
+    cls: type,
+    profiles: dict[str, dict[str, Any]],
+    argv: list[str] | None = None,
+    description: str = "",
+) -> Any:
+    """Parse ``[--profile P] key=value ...``; on bad input print one line and exit 2."""
+    parser = argparse.ArgumentParser(
+        prog=f"jobs/{job}/main.py",
+        description=description,
+        epilog="settings (key=value):\n" + describe(cls),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--profile", default="smoke", help="smoke (default) or full")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    args = parser.parse_args(argv)
+    try:
+        cfg = build_config(cls, profiles, args.profile, split_overrides(args.overrides))
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    cfg.job = job
+    cfg.driver_start_time = time.time()
+    return cfg

@@ -1,0 +1,244 @@
+"""Ray Data text pipelines: read parquet -> tokenise on CPU workers -> pack into blocks.
+
+The same code serves both profiles. The full profile reads the real dataset (AG News or
+Wikitext parquet from the Hugging Face hub or an S3 mirror) with the real tokenizer; the
+smoke profile reads a parquet that :func:`generate_news_corpus` writes locally, in the same
+``text,label`` schema, with a BPE tokenizer trained on it, so nothing is downloaded.
+
+Nothing is materialised: Ray Train's ``streaming_split`` pulls blocks through the pipeline
+while the workers train, and each epoch re-reads the parquet.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from shared.storage import atomic_directory
+
+EOS = "<|endoftext|>"
+GENERATOR_VERSION = 1  # bump when the generated text changes, so caches are rebuilt
+
+# AG News' four classes. Each has its own vocabulary, so the next word is predictable from
+# the ones before it (a topic model the tiny GPT learns within a few dozen steps).
+_CLASS_WORDS: dict[str, dict[str, list[str]]] = {
+    "World": {
+        "subject": [
+            "the minister",
+            "rebels",
+            "the president",
+            "diplomats",
+            "the army",
+            "protesters",
+            "the un",
+        ],
+        "verb": ["condemned", "signed", "rejected", "negotiated", "announced", "protested"],
+        "object": [
+            "a ceasefire",
+            "the treaty",
+            "new sanctions",
+            "the election",
+            "peace talks",
+            "aid",
+        ],
+        "place": ["baghdad", "geneva", "the border", "the capital", "gaza", "kabul"],
+    },
+    "Sports": {
+        "subject": [
+            "the striker",
+            "the coach",
+            "the champions",
+            "the rookie",
+            "the keeper",
+            "fans",
+        ],
+        "verb": ["scored", "won", "lost", "defended", "celebrated", "missed"],
+        "object": ["the final", "a penalty", "the title", "two goals", "the match", "the cup"],
+        "place": ["the stadium", "wimbledon", "the league", "overtime", "the playoffs", "athens"],
+    },
+    "Business": {
+        "subject": ["investors", "the bank", "shares", "the company", "analysts", "oil prices"],
+        "verb": ["rose", "fell", "reported", "acquired", "forecast", "cut"],
+        "object": [
+            "quarterly profit",
+            "the merger",
+            "interest rates",
+            "its stake",
+            "jobs",
+            "earnings",
+        ],
+        "place": ["wall street", "the market", "tokyo", "the nasdaq", "london", "the economy"],
+    },
+    "Sci/Tech": {
+        "subject": ["researchers", "the software", "nasa", "the chip", "hackers", "the startup"],
+        "verb": ["released", "discovered", "launched", "patched", "tested", "unveiled"],
+        "object": ["a new processor", "the update", "a probe", "the browser", "a vaccine", "linux"],
+        "place": ["the lab", "orbit", "silicon valley", "the web", "mars", "the network"],
+    },
+}
+LABELS = list(_CLASS_WORDS)
+
+
+def _sentence(rng: random.Random, words: dict[str, list[str]]) -> str:
+    subject, verb, obj, place = (
+        rng.choice(words[k]) for k in ("subject", "verb", "object", "place")
+    )
+    return f"{subject} {verb} {obj} in {place} ."
+
+
+def generate_news_rows(num_rows: int, seed: int) -> list[dict[str, Any]]:
+    """Rows in AG News' schema (``text``, ``label`` 0-3); a row stays on one topic."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(num_rows):
+        label = rng.randrange(len(LABELS))
+        words = _CLASS_WORDS[LABELS[label]]
+        text = " ".join(_sentence(rng, words) for _ in range(rng.randint(2, 4)))
+        rows.append({"text": text, "label": label})
+    return rows
+
+
+def train_bpe_tokenizer(texts: list[str], vocab_size: int, out_dir: str) -> None:
+    """A byte-level BPE (GPT-2's scheme) trained on ``texts``, saved so that
+    ``AutoTokenizer.from_pretrained(out_dir)`` loads it exactly like the hub's ``gpt2``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS).save_pretrained(out_dir)
+
+
+@dataclass(frozen=True)
+class TextSource:
+    """Where a run's text and tokenizer come from (resolved on the driver, before Ray starts)."""
+
+    dataset: str  # parquet file or directory: local path, s3://, hf://
+    tokenizer: str  # hub name or local directory
+    text_column: str = "text"
+
+
+def generate_news_corpus(root: str, num_rows: int, seed: int, vocab_size: int = 512) -> TextSource:
+    """Write (once) ``train.parquet`` and a BPE tokenizer under ``root``; return the source.
+
+    Cached by content parameters and written to a temp dir that is renamed when complete, so
+    an interrupted generation is never picked up by the next run.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    name = f"news-v{GENERATOR_VERSION}-rows{num_rows}-seed{seed}-vocab{vocab_size}"
+    final = os.path.join(root, name)
+    if not os.path.isdir(final):
+        with atomic_directory(final) as tmp:
+            rows = generate_news_rows(num_rows, seed)
+            table = pa.Table.from_pylist(rows)
+            # Several row groups, so Ray Data reads it as several blocks, like a real dataset.
+            pq.write_table(table, os.path.join(tmp, "train.parquet"), row_group_size=250)
+            train_bpe_tokenizer(
+                [r["text"] for r in rows], vocab_size, os.path.join(tmp, "tokenizer")
+            )
+    return TextSource(
+        dataset=os.path.join(final, "train.parquet"), tokenizer=os.path.join(final, "tokenizer")
+    )
+
+
+def resolve_text_source(cfg: Any) -> TextSource:
+    """The configured dataset/tokenizer, or a generated corpus for whatever is left empty."""
+    generated = None
+    if not cfg.dataset or not cfg.tokenizer:
+        generated = generate_news_corpus(
+            os.path.join(cfg.storage_path, "_data"), cfg.smoke_rows, cfg.seed
+        )
+    return TextSource(
+        dataset=cfg.dataset or generated.dataset,
+        tokenizer=cfg.tokenizer or generated.tokenizer,
+        text_column=cfg.text_column,
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# tokenisation and packing (runs inside Ray Data tasks)
+
+
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(name_or_dir: str):
+    """Cached per process: Ray Data reuses its worker processes across batches."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name_or_dir)
+
+
+def tokenizer_spec(name_or_dir: str) -> dict[str, int]:
+    """What the model must agree on with the tokenizer (the driver passes it to workers)."""
+    tok = load_tokenizer(name_or_dir)
+    return {"vocab_size": len(tok), "eos_token_id": tok.eos_token_id}
+
+
+def pack_token_ids(token_lists: list[list[int]], eos_id: int, seq_len: int) -> np.ndarray:
+    """Concatenate documents (each followed by EOS) and cut into ``[n, seq_len]`` blocks.
+
+    No padding, so every token trains. The tail shorter than ``seq_len`` is dropped; with
+    Ray Data batches of hundreds of rows that is under one block per batch.
+    """
+    flat: list[int] = []
+    for ids in token_lists:
+        flat.extend(ids)
+        flat.append(eos_id)
+    n_blocks = len(flat) // seq_len
+    return np.asarray(flat[: n_blocks * seq_len], dtype=np.int64).reshape(n_blocks, seq_len)
+
+
+def tokenize_and_pack(
+    batch: dict[str, np.ndarray], tokenizer: str, text_column: str, seq_len: int
+) -> dict[str, np.ndarray]:
+    """``map_batches`` function: a batch of raw rows in, a batch of packed blocks out."""
+    tok = load_tokenizer(tokenizer)
+    texts = [str(t) for t in batch[text_column]]
+    ids = tok(texts, add_special_tokens=False)["input_ids"]
+    return {"input_ids": pack_token_ids(ids, tok.eos_token_id, seq_len)}
+
+
+def _read_parquet(path: str, columns: list[str]):
+    import ray.data
+
+    if path.startswith("hf://"):
+        # The hub serves every dataset as parquet; HfFileSystem streams it like S3.
+        from huggingface_hub import HfFileSystem
+
+        ds = ray.data.read_parquet(path[len("hf://") :], filesystem=HfFileSystem())
+    else:
+        ds = ray.data.read_parquet(path)
+    return ds.select_columns(columns)
+
+
+def build_text_dataset(
+    source: TextSource, seq_len: int, max_samples: int = 0, rows_per_batch: int = 256
+):
+    """The lazy Ray Dataset of packed ``input_ids`` blocks that Ray Train shards per worker."""
+    ds = _read_parquet(source.dataset, columns=[source.text_column])
+    if max_samples:
+        ds = ds.limit(max_samples)
+    return ds.map_batches(
+        tokenize_and_pack,
+        fn_kwargs={
+            "tokenizer": source.tokenizer,
+            "text_column": source.text_column,
+            "seq_len": seq_len,
+        },
+        batch_size=rows_per_batch,
+        batch_format="numpy",
+    )

@@ -1,0 +1,205 @@
+"""The Ray Train side of a job: the worker session, Ray configs, and the run contract.
+
+Run contract (every job): the driver ends by printing one line ``SUMMARY {json}`` and writing
+the same JSON to ``<storage_path>/<job>/<run_name>/summary.json``; it exits 0 only if the run
+succeeded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from shared.cluster import ClusterInfo, check_local_resources, ray_cluster
+from shared.config import ConfigError
+from shared.storage import write_json_atomic
+
+SUMMARY_KEYS = (
+    "job", "profile", "status", "world_size", "steps", "initial_loss", "final_loss",
+    "tokens_per_s", "time_to_first_step_s", "wall_s", "checkpoint", "resumed_from_step",
+)  # fmt: skip
+
+
+def seed_everything(seed: int) -> None:
+    """Same seed on every rank: identical initial weights without a broadcast."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# ------------------------------------------------------------------------------------------
+# worker side
+
+
+def quiet_train_worker_logs() -> None:
+    """Ray Train logs every report's full metrics dict at INFO (to a logger named after its
+    file); the jobs print their own progress and checkpoint lines instead."""
+    from ray.train.v2._internal.execution import context as train_context
+
+    logging.getLogger(train_context.__file__).setLevel(logging.WARNING)
+
+
+class RaySession:
+    """What the shared loop needs from Ray Train, inside a training worker."""
+
+    def __init__(self, cfg, dataset_name: str = "train"):
+        import ray.train
+        import ray.train.torch
+
+        quiet_train_worker_logs()
+        context = ray.train.get_context()
+        self.cfg = cfg
+        self.rank = context.get_world_rank()
+        self.world_size = context.get_world_size()
+        self.device = ray.train.torch.get_device()
+        self.dataset_name = dataset_name
+
+    @contextlib.contextmanager
+    def latest_checkpoint(self) -> Iterator[str | None]:
+        import ray.train
+
+        ckpt = ray.train.get_checkpoint()
+        if ckpt is None:
+            yield None
+            return
+        with ckpt.as_directory() as directory:
+            yield directory
+
+    def epoch_batches(self, epoch: int) -> Iterator[torch.Tensor]:
+        """This rank's micro-batches for one pass over its streaming shard.
+
+        ``drop_last`` plus Ray Train's equal split give every rank the same number of
+        batches, which DDP needs (a rank with one batch more would wait forever)."""
+        import ray.train
+
+        shard = ray.train.get_dataset_shard(self.dataset_name)
+        for batch in shard.iter_torch_batches(
+            batch_size=self.cfg.micro_batch_size,
+            drop_last=True,
+            dtypes=torch.long,
+            device=self.device,
+        ):
+            yield batch["input_ids"]
+
+    def report(self, metrics: dict, checkpoint_dir: str | None = None) -> None:
+        import ray.train
+
+        if checkpoint_dir is None:
+            ray.train.report(metrics)
+            return
+        ray.train.report(
+            metrics,
+            checkpoint=ray.train.Checkpoint.from_directory(checkpoint_dir),
+            checkpoint_dir_name=os.path.basename(checkpoint_dir),
+            delete_local_checkpoint_after_upload=True,
+        )
+
+
+# ------------------------------------------------------------------------------------------
+# driver side
+
+
+def scaling_config(cfg):
+    from ray.train import ScalingConfig
+
+    return ScalingConfig(
+        num_workers=cfg.num_workers,
+        use_gpu=cfg.use_gpu,
+        resources_per_worker={"CPU": cfg.cpus_per_worker},
+    )
+
+
+def run_config(cfg):
+    """Same name + storage path = same run: rerunning the command resumes it."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig
+
+    return RunConfig(
+        name=cfg.run_name,
+        storage_path=cfg.job_storage,
+        failure_config=FailureConfig(max_failures=cfg.max_failures),
+        checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints or None),
+    )
+
+
+@dataclass
+class JobRun:
+    """Filled in by the job inside ``with job_run(cfg) as run:``."""
+
+    cfg: Any
+    cluster: ClusterInfo | None = None
+    result: Any = None  # ray.train.Result
+    extra: dict = field(default_factory=dict)  # job-specific summary keys
+
+
+def summarize(run: JobRun, wall_s: float, error: BaseException | None) -> dict:
+    cfg = run.cfg
+    metrics = (run.result.metrics if run.result is not None else None) or {}
+    ckpt = run.result.checkpoint if run.result is not None else None
+    summary = {
+        "job": cfg.job,
+        "profile": cfg.profile,
+        "status": "failed" if error else "succeeded",
+        "world_size": metrics.get("world_size", cfg.num_workers),
+        "steps": metrics.get("checkpoint_step"),
+        "initial_loss": metrics.get("initial_loss"),
+        "final_loss": metrics.get("final_loss"),
+        "tokens_per_s": metrics.get("tokens_per_s"),
+        "time_to_first_step_s": metrics.get("time_to_first_step_s"),
+        "wall_s": round(wall_s, 2),
+        "checkpoint": ckpt.path if ckpt is not None else None,
+        "resumed_from_step": metrics.get("resumed_from_step"),
+        "run_dir": cfg.run_dir,
+    }
+    for key in ("steps_this_run", "mfu", "step_time_median_s", "data_wait_total_s", "dtype",
+                "model_state_bytes_per_rank", "peak_rss", "cuda_peak_allocated"):  # fmt: skip
+        if key in metrics:
+            summary[key] = metrics[key]
+    summary |= run.extra
+    if error:
+        summary["error"] = f"{type(error).__name__}: {error}".splitlines()[0][:500]
+    return summary
+
+
+@contextlib.contextmanager
+def job_run(cfg) -> Iterator[JobRun]:
+    """Check resources, connect to Ray, run the body, always end with the SUMMARY line.
+
+    Exit status: 0 on success, 2 for a bad setting (before any cluster starts), 1 otherwise.
+    """
+    run = JobRun(cfg)
+    try:
+        check_local_resources(cfg)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    error: BaseException | None = None
+    try:
+        with ray_cluster(cfg, token_file=os.path.join(cfg.run_dir, "ray-auth-token")) as info:
+            run.cluster = info
+            yield run
+        if run.result is not None and run.result.error is not None:
+            raise run.result.error
+    except Exception as err:  # noqa: BLE001 - the run contract reports every failure
+        error = err
+        traceback.print_exc()
+    summary = summarize(run, time.time() - cfg.driver_start_time, error)
+    line = json.dumps(summary, default=str)
+    if "://" not in cfg.run_dir:
+        write_json_atomic(
+            os.path.join(cfg.run_dir, "summary.json"), json.dumps(summary, indent=2, default=str)
+        )
+    print(f"SUMMARY {line}", flush=True)
+    if error:
+        raise SystemExit(1)

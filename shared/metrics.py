@@ -1,0 +1,153 @@
+"""Throughput, MFU, memory, and the progress line.
+
+MFU = achieved model FLOP/s / (peak FLOP/s per device x devices), with model FLOPs per token
+from :func:`shared.models.flops_per_token` (6N + attention) - the PaLM definition, which
+ignores recomputation, so it does not reward activation checkpointing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import time
+from collections.abc import Iterable
+
+import torch
+
+# Dense bf16/fp16 tensor-core peaks from the vendors' datasheets (no sparsity), TFLOP/s.
+GPU_PEAK_TFLOPS = {
+    "H200": 989.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "A10G": 125.0,
+    "L4": 121.0,
+    "T4": 65.0,
+    "V100": 125.0,
+}
+# A CPU has no meaningful datasheet peak for this; 1 TFLOP/s is a round nominal figure for a
+# few AVX2/AVX-512 cores, so CPU MFU is only comparable with itself. Override with peak_tflops=.
+CPU_NOMINAL_TFLOPS = 1.0
+
+
+def device_peak_tflops(device: torch.device, override: float = 0.0) -> tuple[float, str]:
+    """(peak TFLOP/s, where the number came from) for one device."""
+    if override > 0:
+        return override, "peak_tflops setting"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, tflops in GPU_PEAK_TFLOPS.items():
+            if key in name:
+                return tflops, f"datasheet bf16 dense peak of {key}"
+        return 100.0, f"unknown GPU '{name}', assumed 100"
+    return CPU_NOMINAL_TFLOPS, "nominal CPU figure"
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes held locally: a DTensor counts only its local shard."""
+    total = 0
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        total += local.numel() * local.element_size()
+    return total
+
+
+def peak_memory_bytes(device: torch.device) -> dict[str, int]:
+    """Peak resident memory of this process (CPU) and the CUDA allocator's peak (GPU)."""
+    peaks = {"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if device.type == "cuda":
+        peaks["cuda_peak_allocated"] = torch.cuda.max_memory_allocated(device)
+    return peaks
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class StepMetrics:
+    """Per-step numbers on every rank; the history and the progress line on rank 0."""
+
+    def __init__(
+        self, cfg, flops_per_token: float, peak_tflops: float, world_size: int, path: str | None
+    ):
+        self.cfg = cfg
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_tflops * 1e12 * world_size
+        self.world_size = world_size
+        self.path = path  # metrics.jsonl (rank 0 only), or None
+        self.history: list[dict] = []
+        self.first_step_end: float | None = None
+
+    def record(
+        self,
+        step: int,
+        epoch: int,
+        loss: float,
+        lr: float,
+        grad_norm: float,
+        step_time: float,
+        data_wait: float,
+        tokens: int,
+    ) -> dict:
+        now = time.time()
+        if self.first_step_end is None:
+            self.first_step_end = now
+        tokens_per_s = tokens / step_time if step_time > 0 else 0.0
+        row = {
+            "step": step,
+            "epoch": epoch,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "step_time_s": step_time,
+            "data_wait_s": data_wait,
+            "tokens_per_s": tokens_per_s,
+            "mfu": tokens_per_s * self.flops_per_token / self.peak_flops,
+        }
+        self.history.append(row)
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        return row
+
+    def progress_line(self, row: dict) -> str:
+        steps_left = self.cfg.max_steps - row["step"]
+        recent = [r["step_time_s"] for r in self.history[-20:]]
+        eta = steps_left * statistics.median(recent)
+        wait = row["data_wait_s"] / row["step_time_s"] if row["step_time_s"] else 0.0
+        return (
+            f"step {row['step']:>{len(str(self.cfg.max_steps))}}/{self.cfg.max_steps} | "
+            f"epoch {row['epoch']} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
+            f"{row['tokens_per_s']:,.0f} tok/s | mfu {100 * row['mfu']:.2f}% | "
+            f"data wait {100 * wait:.0f}% | eta {format_duration(eta)}"
+        )
+
+    def summary(self) -> dict:
+        """Run-level numbers; throughput excludes the first step (compilation, warm-up)."""
+        if not self.history:
+            return {"steps_this_run": 0}
+        steady = self.history[1:] or self.history
+        total_time = sum(r["step_time_s"] for r in steady)
+        tokens = self.cfg.tokens_per_step * len(steady)
+        tokens_per_s = tokens / total_time if total_time else 0.0
+        return {
+            "initial_loss": self.history[0]["loss"],
+            "final_loss": self.history[-1]["loss"],
+            "tokens_per_s": tokens_per_s,
+            "step_time_median_s": statistics.median(r["step_time_s"] for r in steady),
+            "data_wait_total_s": sum(r["data_wait_s"] for r in self.history),
+            "mfu": tokens_per_s * self.flops_per_token / self.peak_flops,
+            "time_to_first_step_s": self.first_step_end - self.cfg.driver_start_time,
+            "steps_this_run": len(self.history),
+        }
+
+
+def rank0_metrics_path(run_dir: str, rank: int) -> str | None:
+    """metrics.jsonl in the run directory when it is a filesystem path (local or NFS)."""
+    if rank != 0 or "://" in run_dir:
+        return None
+    os.makedirs(run_dir, exist_ok=True)
+    return os.path.join(run_dir, "metrics.jsonl")

@@ -1,0 +1,83 @@
+"""The shared loop without Ray: a Session for plain ``torchrun`` (or a single process).
+
+Used where Ray cannot go (the GPU benchmark machine, which cannot carry Ray's wheel) and by
+the unit tests. Checkpoints are directories ``<root>/step_<N>`` promoted by rename; every rank
+writes its own files into the same directory, which must be on storage all ranks share.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """(rank, world size, device) from torchrun's environment; no process group if alone."""
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return rank, world_size, device
+
+
+class TorchrunSession:
+    """Batches from a callable, checkpoints in a local directory, metrics kept in memory."""
+
+    def __init__(
+        self,
+        epoch_batches: Callable[[int], Iterable[torch.Tensor]],
+        checkpoint_root: str,
+        rank: int = 0,
+        world_size: int = 1,
+        device: torch.device | None = None,
+    ):
+        self._epoch_batches = epoch_batches
+        self.checkpoint_root = checkpoint_root
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device or torch.device("cpu")
+        self.reports: list[dict] = []
+
+    def checkpoints(self) -> list[str]:
+        if not os.path.isdir(self.checkpoint_root):
+            return []
+        names = sorted(n for n in os.listdir(self.checkpoint_root) if n.startswith("step_"))
+        return [os.path.join(self.checkpoint_root, n) for n in names]
+
+    @contextlib.contextmanager
+    def latest_checkpoint(self) -> Iterator[str | None]:
+        found = self.checkpoints()
+        yield found[-1] if found else None
+
+    def epoch_batches(self, epoch: int) -> Iterable[torch.Tensor]:
+        return self._epoch_batches(epoch)
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def report(self, metrics: dict, checkpoint_dir: str | None = None) -> None:
+        """Merge every rank's staged directory into ``<root>/.<name>.tmp``, then rank 0 renames
+        it to ``<root>/<name>``: the checkpoint appears only once all ranks' parts are in."""
+        if checkpoint_dir is not None:
+            name = os.path.basename(checkpoint_dir)
+            merged = os.path.join(self.checkpoint_root, f".{name}.tmp")
+            for writer in range(self.world_size):  # one rank at a time into the shared dir
+                if self.rank == writer:
+                    shutil.copytree(checkpoint_dir, merged, dirs_exist_ok=True)
+                self._barrier()
+            shutil.rmtree(checkpoint_dir, ignore_errors=True)
+            if self.rank == 0:
+                os.rename(merged, os.path.join(self.checkpoint_root, name))
+            self._barrier()
+        self.reports.append({**metrics, "checkpoint": checkpoint_dir is not None})

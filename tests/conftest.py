@@ -1,0 +1,56 @@
+"""Shared test helpers. End-to-end tests run the jobs exactly as a user does: a real driver
+process that starts a real local Ray cluster (inside the loopback namespace under
+LOOPBACK_ONLY=1, which `make test` passes on to everything started here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class JobResult:
+    returncode: int
+    stdout: str
+    stderr: str
+    summary: dict | None
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def run_job(job: str, *overrides: str, storage: Path, timeout: float = 600) -> JobResult:
+    """``python jobs/<job>/main.py --profile smoke storage_path=... <overrides>``."""
+    cmd = [
+        sys.executable,
+        str(REPO / "jobs" / job / "main.py"),
+        f"storage_path={storage}",
+        *overrides,
+    ]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    summary = None
+    for line in proc.stdout.splitlines():
+        if line.startswith("SUMMARY "):
+            summary = json.loads(line[len("SUMMARY ") :])
+    return JobResult(proc.returncode, proc.stdout, proc.stderr, summary)
+
+
+@pytest.fixture(scope="session")
+def ray_local(tmp_path_factory):
+    """One real local Ray cluster for the tests that need Ray Data directly."""
+    from shared.cluster import ray_cluster
+    from shared.config import BaseConfig
+
+    cfg = BaseConfig(storage_path=str(tmp_path_factory.mktemp("ray")))
+    with ray_cluster(cfg) as info:
+        yield info

@@ -1,0 +1,111 @@
+import importlib
+import os
+
+import pytest
+
+from shared.cluster import check_local_resources
+from shared.config import ConfigError, TrainConfig, apply_overrides, build_config, parse_args
+
+PROFILES = {"smoke": {}, "full": {"num_workers": 8}}
+
+
+def build(**overrides):
+    return build_config(TrainConfig, PROFILES, "smoke", {k: str(v) for k, v in overrides.items()})
+
+
+def error_of(**overrides) -> str:
+    with pytest.raises(ConfigError) as err:
+        build(**overrides)
+    return str(err.value)
+
+
+def test_defaults_are_valid_and_paths_absolute():
+    cfg = build()
+    assert os.path.isabs(cfg.storage_path)
+    assert cfg.run_name.startswith("smoke-")
+    assert cfg.run_dir == os.path.join(cfg.storage_path, cfg.job, cfg.run_name)
+
+
+def test_overrides_are_parsed_to_the_field_types():
+    cfg = build(num_workers=4, lr="1e-4", use_gpu="true", model="gpt2")
+    assert (cfg.num_workers, cfg.lr, cfg.use_gpu, cfg.model) == (4, 1e-4, True, "gpt2")
+    assert cfg.global_batch_size == cfg.micro_batch_size * cfg.grad_accum * 4
+
+
+def test_profile_then_overrides_precedence():
+    cfg = build_config(TrainConfig, PROFILES, "full", {})
+    assert cfg.num_workers == 8 and cfg.profile == "full"
+    cfg = build_config(TrainConfig, PROFILES, "full", {"num_workers": "3"})
+    assert cfg.num_workers == 3
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"num_workers": -1}, "num_workers must be >= 1 (got -1)."),
+        ({"num_workers": "two"}, "num_workers must be an integer (got 'two')."),
+        ({"use_gpu": "maybe"}, "use_gpu must be true or false (got 'maybe')."),
+        ({"lr": 0}, "lr must be > 0 (got 0.0)."),
+        (
+            {"warmup_steps": 30, "max_steps": 30},
+            "warmup_steps (30) must be smaller than max_steps (30).",
+        ),
+        ({"dtype": "fp8"}, "dtype must be one of auto, fp32, bf16 (got 'fp8')."),
+        ({"model": "gpt5"}, "unknown model 'gpt5'; valid presets: "),
+        (
+            {"dataset": "/nonexistent/x.parquet"},
+            "dataset path '/nonexistent/x.parquet' does not exist.",
+        ),
+        ({"run_name": "a/b"}, "run_name must be a plain name, not a path (got 'a/b')."),
+        ({"cpus_per_worker": 0}, "cpus_per_worker must be > 0 (got 0.0)."),
+    ],
+)
+def test_bad_settings_fail_with_one_sentence(overrides, message):
+    text = error_of(**overrides)
+    assert text.startswith(message)
+    assert "\n" not in text
+
+
+def test_unknown_setting_lists_the_valid_ones():
+    with pytest.raises(ConfigError, match=r"unknown setting 'nope'; valid settings: .*num_workers"):
+        apply_overrides(TrainConfig(), {"nope": "1"})
+
+
+def test_unknown_profile():
+    with pytest.raises(ConfigError, match="unknown profile 'big'; valid profiles: smoke, full"):
+        build_config(TrainConfig, PROFILES, "big", {})
+
+
+def test_parse_args_prints_one_line_and_exits_2(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args("ddp", TrainConfig, PROFILES, ["num_workers=-1"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err == "error: num_workers must be >= 1 (got -1).\n"
+
+
+def test_not_key_value(capsys):
+    with pytest.raises(SystemExit):
+        parse_args("ddp", TrainConfig, PROFILES, ["num_workers"])
+    assert "expected key=value, got 'num_workers'" in capsys.readouterr().err
+
+
+def test_local_cluster_must_leave_a_cpu_for_ray_data(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cpus = os.cpu_count()
+    cfg = build(num_workers=cpus, cpus_per_worker=1)
+    with pytest.raises(ConfigError, match="leave less than 1 for Ray Data; use cpus_per_worker="):
+        check_local_resources(cfg)
+    check_local_resources(build(num_workers=1, cpus_per_worker=0.5))
+
+
+@pytest.mark.parametrize("job", ["ddp", "env_check"])
+@pytest.mark.parametrize("profile", ["smoke", "full"])
+def test_every_job_profile_is_valid(job, profile):
+    module = importlib.import_module(f"jobs.{job}.main")
+    cls = module.EnvCheckConfig if job == "env_check" else TrainConfig
+    if profile == "full" and job == "ddp":
+        # The full profile names a hub dataset; validation must accept URIs without touching them.
+        assert module.PROFILES["full"]["dataset"].startswith("hf://")
+    cfg = build_config(cls, module.PROFILES, profile, {})
+    assert cfg.num_workers >= 1

@@ -1,0 +1,108 @@
+"""The jobs as a user runs them: a driver process, a real local Ray cluster, 2 workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, run_job
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory):
+    """One 20-step run, then the same run name again with 30 steps: it must resume at 20."""
+    storage = tmp_path_factory.mktemp("runs")
+    first = run_job(
+        "ddp", "run_name=resume", "max_steps=20", "checkpoint_every=10", storage=storage
+    )
+    second = run_job(
+        "ddp", "run_name=resume", "max_steps=30", "checkpoint_every=10", storage=storage
+    )
+    return first, second, storage
+
+
+def test_ddp_smoke_trains_and_checkpoints(ddp_runs):
+    first, _, storage = ddp_runs
+    assert first.returncode == 0, first.output[-3000:]
+    s = first.summary
+    assert s["status"] == "succeeded" and s["job"] == "ddp" and s["profile"] == "smoke"
+    assert s["world_size"] == 2 and s["steps"] == 20 and s["resumed_from_step"] is None
+    # Random init starts at ~ln(512) = 6.24; the topic-structured corpus lets 20 steps reach
+    # ~4.1. Requiring a 20% drop leaves a wide margin over step-to-step noise (~0.05).
+    assert s["initial_loss"] == pytest.approx(6.24, abs=0.15)
+    assert s["final_loss"] < 0.8 * s["initial_loss"]
+    assert s["time_to_first_step_s"] > 0 and s["tokens_per_s"] > 0 and s["wall_s"] > 0
+    # The checkpoint Ray Train registered: rank 0's model/optimizer, both ranks' RNG, counters.
+    ckpt = s["checkpoint"]
+    assert os.path.basename(ckpt) == "step_000020"
+    assert sorted(os.listdir(ckpt)) == ["model.pt", "rng", "train_state.json"]
+    assert sorted(os.listdir(os.path.join(ckpt, "rng"))) == ["rank0.pt", "rank1.pt"]
+    state = json.loads(Path(os.path.join(ckpt, "train_state.json")).read_text())
+    assert state["step"] == 20 and state["world_size"] == 2
+    saved = torch.load(os.path.join(ckpt, "model.pt"), weights_only=True)
+    assert set(saved) == {"model", "optimizer", "scheduler"}
+    assert saved["scheduler"]["last_epoch"] == 20
+    # The run contract: the same JSON beside the run, plus one metrics row per step.
+    run_dir = os.path.join(storage, "ddp", "resume")
+    assert s["run_dir"] == run_dir
+    assert "SUMMARY {" in first.stdout.splitlines()[-1]
+    assert "step 20/20" in first.stdout and "eta" in first.stdout
+
+
+def test_ddp_resume_starts_at_the_saved_step(ddp_runs):
+    first, second, _ = ddp_runs
+    assert second.returncode == 0, second.output[-3000:]
+    s = second.summary
+    assert s["resumed_from_step"] == 20 and s["steps"] == 30 and s["steps_this_run"] == 10
+    assert "resumed from checkpoint at step 20" in second.stdout
+    # Restored weights, not a fresh init: the first resumed step is already near where the
+    # first run ended, far below the random-init loss.
+    assert s["initial_loss"] < first.summary["final_loss"] + 0.3
+    assert s["initial_loss"] < 0.8 * first.summary["initial_loss"]
+    # The run contract: summary.json holds the same JSON as the last SUMMARY line, and
+    # metrics.jsonl one row per step across both runs of this run name.
+    assert json.loads(Path(os.path.join(s["run_dir"], "summary.json")).read_text()) == s
+    metrics = [
+        json.loads(line) for line in Path(s["run_dir"], "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [m["step"] for m in metrics] == list(range(1, 31))
+
+
+def test_env_check_reports_topology_bandwidth_and_matmul(tmp_path):
+    result = run_job("env_check", "allreduce_sizes_mb=0.01,1", storage=tmp_path)
+    assert result.returncode == 0, result.output[-3000:]
+    for heading in ("== nodes", "== workers", "== all-reduce across 2 workers"):
+        assert heading in result.stdout
+    report = json.loads(Path(result.summary["report"]).read_text())
+    assert len(report["nodes"]) == 1 and report["nodes"][0]["role"] == "head"
+    assert report["nodes"][0]["cpus"] == os.cpu_count()
+    assert len(report["workers"]) == 2
+    for worker in report["workers"]:
+        assert worker["torch"] == torch.__version__ and worker["backend"] == "gloo"
+        assert worker["bf16"] in ("native", "emulated", "no")
+        assert worker["matmul_tflops"]["fp32"] > 0
+    assert [r["bytes"] for r in report["allreduce"]] == [10484, 1048576]  # whole fp32 elements
+    assert all(r["busbw_GBps"] > 0 and r["time_ms"] > 0 for r in report["allreduce"])
+    assert result.summary["status"] == "succeeded" and result.summary["world_size"] == 2
+
+
+def test_bad_override_fails_before_ray_starts(tmp_path):
+    result = run_job("ddp", "num_workers=-1", storage=tmp_path, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr == "error: num_workers must be >= 1 (got -1).\n"
+    assert "Ray dashboard" not in result.stdout and not (tmp_path / "ddp").exists()
+
+
+def test_make_rejects_an_unknown_job_with_one_line():
+    proc = subprocess.run(
+        ["make", "-s", "run-local", "JOB=nope"], cwd=REPO, capture_output=True, text=True
+    )
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "unknown JOB 'nope'; valid jobs: " in lines[0] and "ddp" in lines[0]
