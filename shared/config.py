@@ -95,6 +95,9 @@ class TrainConfig(BaseConfig):
 
     # --- optimisation --------------------------------------------------------------------
     max_steps: int = setting(30, "Optimizer steps to train for (spans epochs as needed).")
+    stop_at_step: int = setting(
+        0, "Stop (with a checkpoint) after this step, keeping the max_steps schedule; 0 = off."
+    )
     lr: float = setting(3e-3, "Peak learning rate (AdamW).")
     min_lr_ratio: float = setting(0.1, "Cosine decays to lr * min_lr_ratio.")
     warmup_steps: int = setting(3, "Linear warm-up steps before the cosine decay.")
@@ -118,13 +121,18 @@ class TrainConfig(BaseConfig):
     def tokens_per_step(self) -> int:
         return self.global_batch_size * self.seq_len
 
+    @property
+    def last_step(self) -> int:
+        """The step this launch ends at: stop_at_step if set, else max_steps."""
+        return self.stop_at_step or self.max_steps
+
     def validate(self) -> None:
         super().validate()
         for name in ("micro_batch_size", "grad_accum", "max_steps", "checkpoint_every"):
             _at_least(self, name, 1)
         for name in ("log_every", "smoke_rows"):
             _at_least(self, name, 1)
-        for name in ("warmup_steps", "max_samples"):
+        for name in ("warmup_steps", "max_samples", "stop_at_step"):
             _at_least(self, name, 0)
         _at_least(self, "seq_len", 2)
         if self.lr <= 0:
@@ -138,6 +146,11 @@ class TrainConfig(BaseConfig):
                 f"warmup_steps ({self.warmup_steps}) must be smaller than "
                 f"max_steps ({self.max_steps})."
             )
+        if self.stop_at_step >= self.max_steps:
+            raise ConfigError(
+                f"stop_at_step ({self.stop_at_step}) must be smaller than "
+                f"max_steps ({self.max_steps}); 0 turns it off."
+            )
         if self.dtype not in ("auto", "fp32", "bf16"):
             raise ConfigError(f"dtype must be one of auto, fp32, bf16 (got '{self.dtype}').")
         from shared.models import PRESETS  # local import: models pulls in torch
@@ -150,6 +163,46 @@ class TrainConfig(BaseConfig):
             raise ConfigError(f"dataset path '{self.dataset}' does not exist.")
         if self.tokenizer and os.sep in self.tokenizer and not os.path.isdir(self.tokenizer):
             raise ConfigError(f"tokenizer directory '{self.tokenizer}' does not exist.")
+
+
+@dataclass
+class FSDPConfig(TrainConfig):
+    """FSDP2 knobs (jobs/fsdp, and the dp axis of jobs/tp2d)."""
+
+    reshard_after_forward: bool = setting(
+        True,
+        "Free gathered params after forward (re-gather for backward): less memory, more comms.",
+    )
+    cpu_offload: bool = setting(False, "Keep sharded params/grads/optimizer on CPU; step there.")
+    activation_checkpointing: bool = setting(False, "Recompute block activations in backward.")
+    blocks_per_group: int = setting(1, "Transformer blocks per fully_shard unit.")
+    reduce_dtype: str = setting("fp32", "Gradient reduce-scatter dtype: fp32 | bf16.")
+
+    def validate(self) -> None:
+        super().validate()
+        _at_least(self, "blocks_per_group", 1)
+        if self.reduce_dtype not in ("fp32", "bf16"):
+            raise ConfigError(f"reduce_dtype must be fp32 or bf16 (got '{self.reduce_dtype}').")
+
+
+@dataclass
+class ZeroConfig(TrainConfig):
+    """DeepSpeed ZeRO knobs (jobs/zero)."""
+
+    zero_stage: int = setting(3, "0 = DDP-like, 1 = shard optimizer, 2 = + grads, 3 = + params.")
+    offload_optimizer: bool = setting(False, "Optimizer partition (and its step) on CPU memory.")
+    offload_params: bool = setting(False, "Stage 3 only: parameter partitions on CPU memory.")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"zero_stage must be 0, 1, 2 or 3 (got {self.zero_stage}).")
+        if self.offload_params and self.zero_stage != 3:
+            raise ConfigError(
+                f"offload_params needs zero_stage=3 (got zero_stage={self.zero_stage})."
+            )
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise ConfigError("offload_optimizer needs zero_stage 1, 2 or 3 (got 0).")
 
 
 def _at_least(cfg: Any, name: str, minimum: int) -> None:

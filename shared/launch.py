@@ -44,11 +44,12 @@ def seed_everything(seed: int) -> None:
 
 
 def quiet_train_worker_logs() -> None:
-    """Ray Train logs every report's full metrics dict at INFO (to a logger named after its
-    file); the jobs print their own progress and checkpoint lines instead."""
-    from ray.train.v2._internal.execution import context as train_context
+    """Ray Train logs every report's full metrics dict and every checkpoint path at INFO (to
+    the modules' loggers); the jobs print their own progress and checkpoint lines."""
+    from ray.train.v2._internal.execution import context, storage
 
-    logging.getLogger(train_context.__file__).setLevel(logging.WARNING)
+    logging.getLogger(context.__file__).setLevel(logging.WARNING)
+    logging.getLogger(storage.__name__).setLevel(logging.WARNING)
 
 
 class RaySession:
@@ -105,6 +106,20 @@ class RaySession:
             checkpoint_dir_name=os.path.basename(checkpoint_dir),
             delete_local_checkpoint_after_upload=True,
         )
+
+
+def start_gpt2_worker(config: dict):
+    """The first lines of every GPT-2 ``train_loop_per_worker``: this worker's session and a
+    seeded model (same seed on every rank, so all ranks start from identical weights)."""
+    from shared.models import build_gpt2
+
+    cfg = config["cfg"]
+    session = RaySession(cfg)
+    seed_everything(cfg.seed)
+    model = build_gpt2(
+        cfg.model, config["vocab_size"], cfg.seq_len, cfg.pretrained, config["eos_token_id"]
+    )
+    return cfg, session, model
 
 
 # ------------------------------------------------------------------------------------------
@@ -170,6 +185,26 @@ def summarize(run: JobRun, wall_s: float, error: BaseException | None) -> dict:
     if error:
         summary["error"] = f"{type(error).__name__}: {error}".splitlines()[0][:500]
     return summary
+
+
+def train_on_text(cfg, train_loop_per_worker) -> None:
+    """The driver of every text-training job: data source -> lazy Ray Data pipeline ->
+    ``TorchTrainer(...).fit()`` on ``num_workers`` workers -> SUMMARY."""
+    from ray.train.torch import TorchTrainer
+
+    from shared.data import build_text_dataset, resolve_text_source, tokenizer_spec
+
+    with job_run(cfg) as run:
+        source = resolve_text_source(cfg)  # smoke: writes the corpus + tokenizer once
+        trainer = TorchTrainer(
+            train_loop_per_worker,
+            train_loop_config={"cfg": cfg, **tokenizer_spec(source.tokenizer)},
+            scaling_config=scaling_config(cfg),
+            run_config=run_config(cfg),
+            # Lazy: read -> tokenise -> pack streams into the workers' shards while they train.
+            datasets={"train": build_text_dataset(source, cfg.seq_len, cfg.max_samples)},
+        )
+        run.result = trainer.fit()
 
 
 @contextlib.contextmanager

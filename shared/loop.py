@@ -101,30 +101,49 @@ def _skip(batches: Iterator, n: int) -> int:
     return skipped
 
 
-def train(cfg, strategy: Strategy, session: Session) -> dict:
-    """Train to ``cfg.max_steps`` optimizer steps; return rank-level summary metrics."""
-    state, resumed_from = restore(strategy, session)
+def _tracker(cfg, strategy: Strategy, session: Session) -> StepMetrics:
     model = unwrap(strategy.model)
     n_params = count_params(model)
     layers, hidden = model_dims(model)
     peak_tflops, peak_source = device_peak_tflops(session.device, cfg.peak_tflops)
-    tracker = StepMetrics(
+    if session.rank == 0:
+        _print_header(cfg, strategy, session, n_params, peak_source)
+    return StepMetrics(
         cfg,
         flops_per_token(n_params, layers, hidden, cfg.seq_len),
         peak_tflops,
         session.world_size,
         rank0_metrics_path(cfg.run_dir, session.rank),
     )
-    if session.rank == 0:
-        _print_header(cfg, strategy, session, n_params, peak_source)
 
+
+def _after_step(cfg, strategy, session, state: TrainState, tracker: StepMetrics, row: dict,
+                resumed_from: int | None) -> None:  # fmt: skip
+    """Progress line, then either a checkpoint (every N steps and at the end) or a report."""
+    last = state.step == cfg.last_step
+    if session.rank == 0 and (state.step % cfg.log_every == 0 or state.step == 1 or last):
+        print(tracker.progress_line(row), flush=True)
+    if last or state.step % cfg.checkpoint_every == 0:
+        metrics = dict(row)
+        if last:  # the driver reads the run's summary from the last checkpoint's metrics
+            metrics |= run_summary(tracker, strategy, session, resumed_from)
+        save_and_report(cfg, strategy, session, state, metrics)
+    elif state.step % cfg.log_every == 0:
+        session.report(row)
+
+
+def train(cfg, strategy: Strategy, session: Session) -> dict:
+    """Train to ``cfg.max_steps`` optimizer steps (or ``stop_at_step``); return this rank's
+    summary metrics."""
+    state, resumed_from = restore(strategy, session)
+    tracker = _tracker(cfg, strategy, session)
     strategy.model.train()
     micro, loss_sum, data_wait = 0, torch.zeros((), device=session.device), 0.0
     step_start = time.perf_counter()
-    while state.step < cfg.max_steps:
+    while state.step < cfg.last_step:
         batches = iter(session.epoch_batches(state.epoch))
-        seen_in_epoch = _skip(batches, state.batches_in_epoch)
-        while state.step < cfg.max_steps:
+        seen_in_epoch = _skip(batches, state.batches_in_epoch)  # resume mid-epoch
+        while state.step < cfg.last_step:
             wait_start = time.perf_counter()
             input_ids = next(batches, None)
             data_wait += time.perf_counter() - wait_start
@@ -139,45 +158,34 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
                 continue
 
             grad_norm = strategy.optimizer_step()
-            lr = strategy.current_lr()
             state.step += 1
             state.tokens_seen += cfg.tokens_per_step
-            loss = global_mean(loss_sum / cfg.grad_accum)
             row = tracker.record(
-                state.step,
-                state.epoch,
-                loss,
-                lr,
-                grad_norm,
-                time.perf_counter() - step_start,
-                data_wait,
-                cfg.tokens_per_step,
+                step=state.step,
+                epoch=state.epoch,
+                loss=global_mean(loss_sum / cfg.grad_accum),
+                lr=strategy.current_lr(),
+                grad_norm=grad_norm,
+                step_time=time.perf_counter() - step_start,
+                data_wait=data_wait,
             )
+            _after_step(cfg, strategy, session, state, tracker, row, resumed_from)
             micro, loss_sum, data_wait = 0, torch.zeros((), device=session.device), 0.0
-
-            final = state.step == cfg.max_steps
-            if session.rank == 0 and (state.step % cfg.log_every == 0 or state.step == 1 or final):
-                print(tracker.progress_line(row), flush=True)
-            if final or state.step % cfg.checkpoint_every == 0:
-                metrics = dict(row)
-                if final:
-                    metrics |= run_summary(tracker, strategy, session, resumed_from)
-                save_and_report(cfg, strategy, session, state, metrics)
-            elif state.step % cfg.log_every == 0:
-                session.report(row)
             step_start = time.perf_counter()
         if seen_in_epoch == 0:
             raise RuntimeError(
                 f"epoch {state.epoch} gave rank {session.rank} no batches: the dataset has fewer "
                 f"than {cfg.micro_batch_size} sequences of {cfg.seq_len} tokens per worker."
             )
-        if state.step < cfg.max_steps:
+        if state.step < cfg.last_step:
             state.epoch += 1
             state.batches_in_epoch = 0
-    if session.rank == 0 and not tracker.history:
-        print(
-            f"nothing to train: the run is already at step {state.step}/{cfg.max_steps}", flush=True
-        )
+    if session.rank == 0:
+        if not tracker.history:
+            print(f"nothing to train: the run is already at step {state.step}", flush=True)
+        elif cfg.stop_at_step and state.step == cfg.stop_at_step:
+            print(f"stopped at step {state.step} of {cfg.max_steps} (stop_at_step); run again "
+                  f"with run_name={cfg.run_name} to continue", flush=True)  # fmt: skip
     return run_summary(tracker, strategy, session, resumed_from)
 
 

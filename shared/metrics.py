@@ -81,21 +81,12 @@ class StepMetrics:
         self.history: list[dict] = []
         self.first_step_end: float | None = None
 
-    def record(
-        self,
-        step: int,
-        epoch: int,
-        loss: float,
-        lr: float,
-        grad_norm: float,
-        step_time: float,
-        data_wait: float,
-        tokens: int,
-    ) -> dict:
+    def record(self, *, step: int, epoch: int, loss: float, lr: float, grad_norm: float | None,
+               step_time: float, data_wait: float) -> dict:  # fmt: skip
         now = time.time()
         if self.first_step_end is None:
             self.first_step_end = now
-        tokens_per_s = tokens / step_time if step_time > 0 else 0.0
+        tokens_per_s = self.cfg.tokens_per_step / step_time if step_time > 0 else 0.0
         row = {
             "step": step,
             "epoch": epoch,

@@ -76,13 +76,18 @@ def _with_causal_lm_loss(model: nn.Module) -> nn.Module:
 
 
 def count_params(model: nn.Module, exclude_position_embeddings: bool = True) -> int:
-    """Parameters that cost FLOPs. Position embeddings are a lookup, so nanoGPT leaves them out;
-    the tied token embedding stays in because it is also the output projection."""
-    total = sum(p.numel() for p in model.parameters())
+    """Parameters that cost FLOPs (full sizes, also when sharded). Position embeddings are a
+    lookup, so nanoGPT leaves them out; the tied token embedding stays in because it is also
+    the output projection."""
+
+    def numel(p: nn.Parameter) -> int:
+        return getattr(p, "ds_numel", p.numel())  # ZeRO-3 leaves an empty placeholder
+
+    total = sum(numel(p) for p in model.parameters())
     if exclude_position_embeddings:
         for name, p in model.named_parameters():
             if name.endswith("wpe.weight"):
-                total -= p.numel()
+                total -= numel(p)
     return total
 
 
@@ -100,6 +105,17 @@ def model_dims(model: nn.Module) -> tuple[int, int]:
     return int(layers), int(hidden)
 
 
+def transformer_blocks(model: nn.Module) -> nn.ModuleList:
+    """The repeated decoder blocks: the unit FSDP shards and activation checkpointing wraps."""
+    for path in ("transformer.h", "model.layers", "layers"):  # GPT-2, HF Llama, our Llama
+        module = model
+        for part in path.split("."):
+            module = getattr(module, part, None)
+        if isinstance(module, nn.ModuleList):
+            return module
+    raise ValueError(f"cannot find the transformer blocks of {type(model).__name__}")
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's module inside DDP (``.module``) or similar wrappers."""
     return model.module if hasattr(model, "module") else model
@@ -111,5 +127,6 @@ __all__ = [
     "count_params",
     "flops_per_token",
     "model_dims",
+    "transformer_blocks",
     "unwrap",
 ]

@@ -2,9 +2,18 @@ import importlib
 import os
 
 import pytest
+from conftest import REPO
 
 from shared.cluster import check_local_resources
-from shared.config import ConfigError, TrainConfig, apply_overrides, build_config, parse_args
+from shared.config import (
+    ConfigError,
+    FSDPConfig,
+    TrainConfig,
+    ZeroConfig,
+    apply_overrides,
+    build_config,
+    parse_args,
+)
 
 PROFILES = {"smoke": {}, "full": {"num_workers": 8}}
 
@@ -99,13 +108,56 @@ def test_local_cluster_must_leave_a_cpu_for_ray_data(monkeypatch):
     check_local_resources(build(num_workers=1, cpus_per_worker=0.5))
 
 
-@pytest.mark.parametrize("job", ["ddp", "env_check"])
+JOB_CONFIGS = {
+    "ddp": TrainConfig,
+    "env_check": None,  # its own class, in the job
+    "fsdp": FSDPConfig,
+    "zero": ZeroConfig,
+}
+
+
+def test_every_job_is_covered():
+    assert sorted(p.parent.name for p in (REPO / "jobs").glob("*/main.py")) == sorted(JOB_CONFIGS)
+
+
+@pytest.mark.parametrize("job", sorted(JOB_CONFIGS))
 @pytest.mark.parametrize("profile", ["smoke", "full"])
 def test_every_job_profile_is_valid(job, profile):
     module = importlib.import_module(f"jobs.{job}.main")
-    cls = module.EnvCheckConfig if job == "env_check" else TrainConfig
-    if profile == "full" and job == "ddp":
+    cls = JOB_CONFIGS[job] or module.EnvCheckConfig
+    if profile == "full" and job != "env_check":
         # The full profile names a hub dataset; validation must accept URIs without touching them.
         assert module.PROFILES["full"]["dataset"].startswith("hf://")
     cfg = build_config(cls, module.PROFILES, profile, {})
     assert cfg.num_workers >= 1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"zero_stage": 4}, "zero_stage must be 0, 1, 2 or 3 (got 4)."),
+        (
+            {"zero_stage": 2, "offload_params": "true"},
+            "offload_params needs zero_stage=3 (got zero_stage=2).",
+        ),
+        (
+            {"zero_stage": 0, "offload_optimizer": "true"},
+            "offload_optimizer needs zero_stage 1, 2 or 3 (got 0).",
+        ),
+        (
+            {"stop_at_step": 30, "max_steps": 30},
+            "stop_at_step (30) must be smaller than max_steps (30)",
+        ),
+    ],
+)
+def test_zero_settings(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        build_config(ZeroConfig, PROFILES, "smoke", {k: str(v) for k, v in overrides.items()})
+    assert str(err.value).startswith(message)
+
+
+def test_fsdp_settings():
+    with pytest.raises(ConfigError, match=r"reduce_dtype must be fp32 or bf16 \(got 'fp16'\)."):
+        build_config(FSDPConfig, PROFILES, "smoke", {"reduce_dtype": "fp16"})
+    with pytest.raises(ConfigError, match=r"blocks_per_group must be >= 1 \(got 0\)."):
+        build_config(FSDPConfig, PROFILES, "smoke", {"blocks_per_group": "0"})

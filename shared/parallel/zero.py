@@ -1,0 +1,178 @@
+"""DeepSpeed ZeRO: partition optimizer states (stage 1), + gradients (2), + parameters (3).
+
+Communication: stage 1 and 2 replace DDP's all-reduce with a reduce-scatter of gradients (each
+rank updates only its partition) followed by an all-gather of the updated parameters; stage 3
+also all-gathers each layer's parameters before its forward and backward, like FSDP.
+Offload moves the optimizer partition (and, stage 3, the parameters) to CPU memory; the step
+then runs on the CPU.
+
+Config-driven, as DeepSpeed intends: :func:`deepspeed_config` turns the run config into the
+DeepSpeed dict, and ``deepspeed.initialize`` builds the engine inside the process group that
+Ray Train (or torchrun) already created.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import torch
+from torch import nn
+
+from shared import optim
+from shared.metrics import tensor_bytes
+from shared.parallel.base import Strategy
+
+ENGINE_TAG = "engine"  # DeepSpeed's sub-directory inside our checkpoint directory
+
+
+def deepspeed_config(cfg, dtype: torch.dtype, on_gpu: bool) -> dict:
+    """The DeepSpeed config for a run. Every value that DeepSpeed would otherwise default is
+    explicit (gradient_clipping defaults to 1.0 in 0.19, for instance)."""
+    zero: dict = {"stage": cfg.zero_stage}
+    if cfg.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
+    if cfg.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": on_gpu}
+    return {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": cfg.grad_accum,
+        "gradient_clipping": cfg.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "fp16": {"enabled": False},  # bf16 or fp32 only: no loss scaling to tune
+        # We pass torch's AdamW: the same optimizer as the other strategies (identical
+        # numerics), and no 6-minute fused_adam / cpu_adam compile on first use.
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 2**31 - 1,  # the shared loop prints progress
+        "wall_clock_breakdown": False,
+    }
+
+
+def _quiet_deprecated_collectives() -> None:
+    """DeepSpeed 0.19 calls torch.distributed's renamed collectives and torch warns on every
+    call; the rename is DeepSpeed's to make, the warnings bury the progress lines."""
+    warnings.filterwarnings(
+        "ignore",
+        message=r".*is deprecated\. Please use `torch\.distributed\.",
+        category=FutureWarning,
+    )
+
+
+def _skip_shm_comm_build() -> None:
+    """On CPU DeepSpeed compiles a shared-memory collective extension (~3 min with g++) at
+    initialize; gloo is what Ray Train set up, so use it as is."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+class ZeroStrategy(Strategy):
+    """The DeepSpeed engine does accumulation, clipping, the step and the LR schedule."""
+
+    def __init__(self, model: nn.Module, cfg, device: torch.device, dtype: torch.dtype):
+        # DeepSpeed picks its accelerator at import; say which instead of letting it probe
+        # (and warn) on a CPU-only host.
+        os.environ.setdefault("DS_ACCELERATOR", device.type)
+        import deepspeed
+
+        _quiet_deprecated_collectives()
+        if device.type == "cpu":
+            _skip_shm_comm_build()
+        self.cfg, self.device, self.dtype = cfg, device, dtype
+        self.name = f"zero-{cfg.zero_stage}" + (
+            "+offload" if cfg.offload_optimizer or cfg.offload_params else ""
+        )
+        self.ds_config = deepspeed_config(cfg, dtype, device.type == "cuda")
+        self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model,
+            optimizer=optim.build_adamw(model, cfg.lr, cfg.weight_decay),
+            lr_scheduler=functools.partial(optim.warmup_cosine, cfg=cfg),
+            config=self.ds_config,
+            dist_init_required=False,
+        )
+        self.measured_state_bytes = None
+        self._peak_grad_bytes = 0
+
+    def loss(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # The engine holds the parameters in the configured dtype; no autocast needed.
+        return self.model(input_ids=input_ids, labels=input_ids).loss
+
+    def forward_backward(self, input_ids: torch.Tensor, sync: bool) -> torch.Tensor:
+        # DeepSpeed counts micro-batches itself: backward scales by 1/grad_accum and step()
+        # only updates at the accumulation boundary, which matches the loop's `sync`.
+        loss = self.loss(input_ids)
+        self.model.backward(loss)
+        if self.measured_state_bytes is None:  # gradients exist only between backward and step
+            self._peak_grad_bytes = max(self._peak_grad_bytes, _held_grad_bytes(self))
+        self.model.step()
+        return loss.detach()
+
+    def optimizer_step(self) -> float:
+        if self.measured_state_bytes is None:  # Adam moments exist from the first step on
+            self.measured_state_bytes = {**self.model_state_bytes(), "grads": self._peak_grad_bytes}
+        norm = self.model.get_global_grad_norm()
+        return float(norm) if norm is not None else None  # stage 0 does not compute it
+
+    def save(self, directory: str, rank: int) -> None:
+        # Collective: every rank writes its own partitions (and rank 0 the module states).
+        self.model.save_checkpoint(directory, tag=ENGINE_TAG)
+
+    def load(self, directory: str) -> None:
+        path, _ = self.model.load_checkpoint(
+            directory, tag=ENGINE_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if path is None:
+            raise RuntimeError(f"DeepSpeed found no checkpoint '{ENGINE_TAG}' in {directory}")
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """What this rank holds, read from DeepSpeed's own buffers.
+
+        params: the working copy (stage 3: only the local partition, ``ds_tensor``).
+        grads: the most gradient bytes held during the first accumulation window (stage 1
+            accumulates full gradients and keeps only its partition after reducing; stage 2
+            reduces into a partition as the backward runs; stage 3 into a flat partition).
+        optimizer: Adam moments + step counters (partitioned from stage 1 on).
+        master_params: the fp32 master partition DeepSpeed keeps for its optimizer. The ZeRO
+            paper counts it as optimizer state (K = 12 bytes/param with Adam in mixed
+            precision); DeepSpeed keeps it even in fp32 training, where it duplicates the
+            working copy's partition, so it is reported on its own.
+        """
+        stage3 = self.cfg.zero_stage == 3
+        zero_opt = self.optimizer
+        inner = getattr(zero_opt, "optimizer", zero_opt)
+        optimizer_tensors = [
+            v for s in inner.state.values() for v in s.values() if torch.is_tensor(v)
+        ]
+        masters = getattr(
+            zero_opt,
+            "fp32_partitioned_groups_flat" if stage3 else "single_partition_of_fp32_groups",
+            [],
+        )
+        return {
+            "params": tensor_bytes(
+                p.ds_tensor if stage3 else p for p in self.model.module.parameters()
+            ),
+            "grads": _held_grad_bytes(self),
+            "optimizer": tensor_bytes(optimizer_tensors),
+            "master_params": tensor_bytes(masters),
+        }
+
+
+def _held_grad_bytes(strategy: ZeroStrategy) -> int:
+    zero_opt = strategy.optimizer
+    held = tensor_bytes(p.grad for p in strategy.model.module.parameters() if p.grad is not None)
+    if strategy.cfg.zero_stage == 3:
+        return held + tensor_bytes([zero_opt.grad_partitions_flat_buffer])
+    if strategy.cfg.zero_stage in (1, 2):
+        averaged = zero_opt.averaged_gradients
+        partitions = sum(tensor_bytes(v) for v in averaged.values() if v)
+        in_partition = getattr(zero_opt, "grads_in_partition", None)
+        # With contiguous gradients the averaged partitions are views of grads_in_partition.
+        partitions = max(
+            partitions, tensor_bytes([in_partition]) if torch.is_tensor(in_partition) else 0
+        )
+        held += partitions
+    return held
