@@ -121,6 +121,14 @@ class TrainConfig(BaseConfig):
     def tokens_per_step(self) -> int:
         return self.global_batch_size * self.seq_len
 
+    # fp16 needs loss scaling, which only the DeepSpeed engine does here (ZeroConfig adds it).
+    dtypes = ("auto", "fp32", "bf16")
+
+    def model_presets(self) -> dict:
+        from shared.models import PRESETS  # local import: models pulls in torch
+
+        return PRESETS
+
     @property
     def last_step(self) -> int:
         """The step this launch ends at: stop_at_step if set, else max_steps."""
@@ -151,13 +159,14 @@ class TrainConfig(BaseConfig):
                 f"stop_at_step ({self.stop_at_step}) must be smaller than "
                 f"max_steps ({self.max_steps}); 0 turns it off."
             )
-        if self.dtype not in ("auto", "fp32", "bf16"):
-            raise ConfigError(f"dtype must be one of auto, fp32, bf16 (got '{self.dtype}').")
-        from shared.models import PRESETS  # local import: models pulls in torch
-
-        if self.model not in PRESETS:
+        if self.dtype not in self.dtypes:
             raise ConfigError(
-                f"unknown model '{self.model}'; valid presets: {', '.join(sorted(PRESETS))}."
+                f"dtype must be one of {', '.join(self.dtypes)} (got '{self.dtype}')."
+            )
+        presets = self.model_presets()
+        if self.model not in presets:
+            raise ConfigError(
+                f"unknown model '{self.model}'; valid presets: {', '.join(sorted(presets))}."
             )
         if self.dataset and "://" not in self.dataset and not os.path.exists(self.dataset):
             raise ConfigError(f"dataset path '{self.dataset}' does not exist.")
@@ -190,6 +199,7 @@ class ZeroConfig(TrainConfig):
     """DeepSpeed ZeRO knobs (jobs/zero)."""
 
     zero_stage: int = setting(3, "0 = DDP-like, 1 = shard optimizer, 2 = + grads, 3 = + params.")
+    dtypes = ("auto", "fp32", "bf16", "fp16")  # DeepSpeed does fp16 loss scaling
     offload_optimizer: bool = setting(False, "Optimizer partition (and its step) on CPU memory.")
     offload_params: bool = setting(False, "Stage 3 only: parameter partitions on CPU memory.")
 
@@ -203,6 +213,47 @@ class ZeroConfig(TrainConfig):
             )
         if self.offload_optimizer and self.zero_stage == 0:
             raise ConfigError("offload_optimizer needs zero_stage 1, 2 or 3 (got 0).")
+
+
+@dataclass
+class TP2DConfig(FSDPConfig):
+    """Tensor parallel x data parallel knobs (jobs/tp2d). num_workers must equal dp x tp."""
+
+    dp: int = setting(2, "Data-parallel size: TP groups, sharded with FSDP (may span nodes).")
+    tp: int = setting(2, "Tensor-parallel size: ranks per TP group (keep within one node).")
+
+    @property
+    def global_batch_size(self) -> int:
+        """A TP group trains on one micro-batch together, so only dp multiplies the batch."""
+        return self.micro_batch_size * self.grad_accum * self.dp
+
+    def model_presets(self) -> dict:
+        from shared.llama import LLAMA_PRESETS
+
+        return LLAMA_PRESETS
+
+    def validate(self) -> None:
+        super().validate()
+        _at_least(self, "dp", 1)
+        _at_least(self, "tp", 1)
+        if self.num_workers != self.dp * self.tp:
+            raise ConfigError(
+                f"num_workers ({self.num_workers}) must equal dp x tp = {self.dp} x {self.tp} "
+                f"= {self.dp * self.tp}."
+            )
+        p = self.model_presets()[self.model]
+        for what, size in (("attention heads", p.n_heads), ("KV heads", p.n_kv_heads),
+                           ("hidden size", p.dim), ("FFN size", p.ffn_dim)):  # fmt: skip
+            if size % self.tp:
+                raise ConfigError(
+                    f"tp ({self.tp}) must divide the {what} of {self.model} ({size})."
+                )
+        for name in ("micro_batch_size", "seq_len"):  # split across the TP group's ranks
+            if getattr(self, name) % self.tp:
+                raise ConfigError(
+                    f"tp ({self.tp}) must divide {name} ({getattr(self, name)}): each TP rank "
+                    "reads 1/tp of the micro-batch and sequence parallelism splits the sequence."
+                )
 
 
 def _at_least(cfg: Any, name: str, minimum: int) -> None:

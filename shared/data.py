@@ -207,7 +207,8 @@ def tokenize_and_pack(
 ) -> dict[str, np.ndarray]:
     """``map_batches`` function: a batch of raw rows in, a batch of packed blocks out."""
     tok = load_tokenizer(tokenizer)
-    texts = [str(t) for t in batch[text_column]]
+    # Wikitext has many blank lines; they would only add separator tokens.
+    texts = [str(t) for t in batch[text_column] if str(t).strip()]
     ids = tok(texts, add_special_tokens=False)["input_ids"]
     return {"input_ids": pack_token_ids(ids, tok.eos_token_id, seq_len)}
 

@@ -55,7 +55,7 @@ def quiet_train_worker_logs() -> None:
 class RaySession:
     """What the shared loop needs from Ray Train, inside a training worker."""
 
-    def __init__(self, cfg, dataset_name: str = "train"):
+    def __init__(self, cfg, dataset_name: str = "train", batch_size: int | None = None):
         import ray.train
         import ray.train.torch
 
@@ -66,6 +66,7 @@ class RaySession:
         self.world_size = context.get_world_size()
         self.device = ray.train.torch.get_device()
         self.dataset_name = dataset_name
+        self.batch_size = batch_size or cfg.micro_batch_size  # sequences read per batch
 
     @contextlib.contextmanager
     def latest_checkpoint(self) -> Iterator[str | None]:
@@ -87,7 +88,7 @@ class RaySession:
 
         shard = ray.train.get_dataset_shard(self.dataset_name)
         for batch in shard.iter_torch_batches(
-            batch_size=self.cfg.micro_batch_size,
+            batch_size=self.batch_size,
             drop_last=True,
             dtypes=torch.long,
             device=self.device,

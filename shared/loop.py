@@ -85,7 +85,7 @@ def _print_header(
         f"training {cfg.model} ({n_params / 1e6:.2f}M params) with {strategy.name} on "
         f"{session.world_size} x {session.device.type} in {DTYPE_NAMES[strategy.dtype]} | "
         f"global batch {cfg.global_batch_size} x {cfg.seq_len} tokens "
-        f"({cfg.micro_batch_size} per worker x {cfg.grad_accum} accumulation) | "
+        f"({cfg.micro_batch_size} per data-parallel rank x {cfg.grad_accum} accumulation) | "
         f"{cfg.max_steps} steps | MFU peak: {peak_source} | run dir {cfg.run_dir}",
         flush=True,
     )

@@ -76,9 +76,9 @@ def _with_causal_lm_loss(model: nn.Module) -> nn.Module:
 
 
 def count_params(model: nn.Module, exclude_position_embeddings: bool = True) -> int:
-    """Parameters that cost FLOPs (full sizes, also when sharded). Position embeddings are a
-    lookup, so nanoGPT leaves them out; the tied token embedding stays in because it is also
-    the output projection."""
+    """Parameters that cost FLOPs (full sizes, also when sharded). Embedding tables are lookups,
+    so they are left out (GPT-2's position table, Llama's token table); GPT-2's tied token
+    embedding stays in because it is also the output projection (as in nanoGPT)."""
 
     def numel(p: nn.Parameter) -> int:
         return getattr(p, "ds_numel", p.numel())  # ZeRO-3 leaves an empty placeholder
@@ -86,7 +86,7 @@ def count_params(model: nn.Module, exclude_position_embeddings: bool = True) -> 
     total = sum(numel(p) for p in model.parameters())
     if exclude_position_embeddings:
         for name, p in model.named_parameters():
-            if name.endswith("wpe.weight"):
+            if name.endswith(("wpe.weight", "tok_embeddings.weight")):
                 total -= numel(p)
     return total
 
@@ -98,7 +98,10 @@ def flops_per_token(n_params: int, n_layer: int, d_model: int, seq_len: int) -> 
 
 
 def model_dims(model: nn.Module) -> tuple[int, int]:
-    """(layers, hidden size) of a transformers model, for the attention FLOP term."""
+    """(layers, hidden size) of a transformers model or our Llama, for the attention FLOPs."""
+    preset = getattr(model, "preset", None)
+    if preset is not None:
+        return preset.n_layers, preset.dim
     config = getattr(model, "config", None)
     layers = getattr(config, "n_layer", None) or getattr(config, "num_hidden_layers", 0)
     hidden = getattr(config, "n_embd", None) or getattr(config, "hidden_size", 0)

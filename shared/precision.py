@@ -35,7 +35,8 @@ def precision_support(device: torch.device) -> dict[str, str]:
 
 
 def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
-    """``auto`` picks bf16 where the hardware has it, else fp32.
+    """``auto`` picks bf16 where the hardware has it, else fp32; ``fp16`` falls back to fp32
+    where the device has no fp16 support.
 
     On CPU bf16 runs but is emulated (~17x slower matmuls on AVX2), so auto stays in fp32 there;
     ``dtype=bf16`` still forces it for testing the code path.
@@ -44,6 +45,12 @@ def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
         return torch.float32
     if setting == "bf16":
         return torch.bfloat16
+    if setting == "fp16":
+        if supports_fp16(device):
+            return torch.float16
+        # DeepSpeed refuses it ("Type fp16 is not supported on your device"): detect, don't crash.
+        print(f"dtype=fp16 is not supported on {device.type}; training in fp32 instead", flush=True)
+        return torch.float32
     return torch.bfloat16 if supports_bf16(device) else torch.float32
 
 

@@ -8,6 +8,7 @@ from shared.cluster import check_local_resources
 from shared.config import (
     ConfigError,
     FSDPConfig,
+    TP2DConfig,
     TrainConfig,
     ZeroConfig,
     apply_overrides,
@@ -60,6 +61,7 @@ def test_profile_then_overrides_precedence():
             "warmup_steps (30) must be smaller than max_steps (30).",
         ),
         ({"dtype": "fp8"}, "dtype must be one of auto, fp32, bf16 (got 'fp8')."),
+        ({"dtype": "fp16"}, "dtype must be one of auto, fp32, bf16 (got 'fp16')."),
         ({"model": "gpt5"}, "unknown model 'gpt5'; valid presets: "),
         (
             {"dataset": "/nonexistent/x.parquet"},
@@ -113,6 +115,7 @@ JOB_CONFIGS = {
     "env_check": None,  # its own class, in the job
     "fsdp": FSDPConfig,
     "zero": ZeroConfig,
+    "tp2d": TP2DConfig,
 }
 
 
@@ -161,3 +164,39 @@ def test_fsdp_settings():
         build_config(FSDPConfig, PROFILES, "smoke", {"reduce_dtype": "fp16"})
     with pytest.raises(ConfigError, match=r"blocks_per_group must be >= 1 \(got 0\)."):
         build_config(FSDPConfig, PROFILES, "smoke", {"blocks_per_group": "0"})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"num_workers": 3}, "num_workers (3) must equal dp x tp = 2 x 2 = 4."),
+        (
+            {"tp": 3, "dp": 1, "num_workers": 3},
+            "tp (3) must divide the attention heads of llama-tiny (4).",
+        ),
+        (
+            {"tp": 4, "dp": 1, "num_workers": 4},
+            "tp (4) must divide the KV heads of llama-tiny (2).",
+        ),
+        ({"micro_batch_size": 3}, "tp (2) must divide micro_batch_size (3)"),
+        ({"seq_len": 63}, "tp (2) must divide seq_len (63)"),
+        ({"model": "gpt2"}, "unknown model 'gpt2'; valid presets: llama-500m, llama-tiny."),
+    ],
+)
+def test_tp2d_mesh_validation(overrides, message):
+    import jobs.tp2d.main as tp2d
+
+    with pytest.raises(ConfigError) as err:
+        build_config(TP2DConfig, tp2d.PROFILES, "smoke", {k: str(v) for k, v in overrides.items()})
+    assert str(err.value).startswith(message)
+
+
+def test_fp16_falls_back_to_fp32_where_unsupported(capsys):
+    import torch
+
+    from shared.precision import resolve_dtype
+
+    assert resolve_dtype("fp16", torch.device("cpu")) == torch.float32
+    assert "dtype=fp16 is not supported on cpu; training in fp32 instead" in capsys.readouterr().out
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("bf16", torch.device("cpu")) == torch.bfloat16

@@ -99,3 +99,10 @@ def test_streaming_split_gives_equal_disjoint_shards_covering_the_data(ray_local
     # disjoint: no block is served to both workers, and at most batch-1 per shard are dropped
     assert sum(len(b) for i in got for b in got[i]) == len(rows)
     assert len(rows) >= len(everything_rows) - 2 * batch
+
+
+def test_blank_rows_add_no_tokens(corpus):
+    texts = np.array(["the striker scored .", "", "   ", "the bank fell ."], dtype=object)
+    with_blanks = tokenize_and_pack({"text": texts}, corpus.tokenizer, "text", 4)
+    without = tokenize_and_pack({"text": texts[[0, 3]]}, corpus.tokenizer, "text", 4)
+    np.testing.assert_array_equal(with_blanks["input_ids"], without["input_ids"])

@@ -18,6 +18,9 @@ VARIANTS = {
     "zero1": ("zero", "zero_stage=1"),
     "zero2": ("zero", "zero_stage=2"),
     "zero3": ("zero", "zero_stage=3"),
+    # The offload knobs move state to CPU memory; the math must not change.
+    "fsdp_offload": ("fsdp", "cpu_offload=true", "activation_checkpointing=true"),
+    "zero3_offload": ("zero", "zero_stage=3", "offload_optimizer=true", "offload_params=true"),
 }
 
 

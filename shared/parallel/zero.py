@@ -41,7 +41,8 @@ def deepspeed_config(cfg, dtype: torch.dtype, on_gpu: bool) -> dict:
         "gradient_clipping": cfg.grad_clip,
         "zero_optimization": zero,
         "bf16": {"enabled": dtype == torch.bfloat16},
-        "fp16": {"enabled": False},  # bf16 or fp32 only: no loss scaling to tune
+        # fp16 only where the device supports it (resolve_dtype); loss_scale 0 = dynamic.
+        "fp16": {"enabled": dtype == torch.float16, "loss_scale": 0},
         # We pass torch's AdamW: the same optimizer as the other strategies (identical
         # numerics), and no 6-minute fused_adam / cpu_adam compile on first use.
         "zero_allow_untested_optimizer": True,
