@@ -1,7 +1,7 @@
 """Resume state on disk: what a run needs to continue exactly where it stopped.
 
 A checkpoint directory holds
-  train_state.json         step, epoch, data position (rank 0 writes it)
+  train_state.json         step, epoch, data position in samples (rank 0 writes it)
   rng/rank<R>.pt           every rank's torch / python / numpy RNG state
   + the strategy's files   ``model.pt`` (DDP, rank 0), DCP shards, DeepSpeed engine files ...
 
@@ -36,9 +36,15 @@ class TrainState:
 
     step: int = 0  # optimizer steps completed
     epoch: int = 0  # current epoch
-    batches_in_epoch: int = 0  # micro-batches of `epoch` each rank has consumed (data position)
+    samples_in_epoch: int = 0  # sequences of `epoch` consumed by all ranks (data position)
     tokens_seen: int = 0  # global
     world_size: int = 1  # of the run that wrote it
+    global_batch_size: int = 0  # sequences per optimizer step when it was written
+    samples_per_epoch: dict[str, int] = dataclasses.field(default_factory=dict)  # finished epochs
+
+    def samples_seen(self) -> dict[str, int]:
+        """Sequences trained on per epoch, all ranks together (the current epoch so far)."""
+        return {**self.samples_per_epoch, str(self.epoch): self.samples_in_epoch}
 
 
 def rng_state() -> dict:

@@ -256,6 +256,52 @@ class TP2DConfig(FSDPConfig):
                 )
 
 
+@dataclass
+class FaultToleranceConfig(TrainConfig):
+    """Failure injection, elasticity and exact resume knobs (jobs/fault_tolerance)."""
+
+    fail_at_step: int = setting(0, "Kill a worker right after this step's update; 0 = never.")
+    fail_rank: int = setting(1, "Which rank fails.")
+    fail_mode: str = setting("exit", "exit (os._exit) | sigkill | raise (Python exception).")
+    fail_during_checkpoint: bool = setting(
+        False, "Fail halfway through writing the checkpoint of fail_at_step instead."
+    )
+    fail_times: int = setting(1, "How many attempts fail (one-shot markers in the run dir).")
+    min_workers: int = setting(0, "Elastic: run with min_workers..num_workers; 0 = fixed size.")
+    keep_global_batch: bool = setting(
+        True, "On a world-size change keep the global batch (adjust grad_accum), else per-worker."
+    )
+    log_samples: bool = setting(False, "Record every consumed sample id (for verification).")
+    sleep_per_step: float = setting(0.0, "Seconds to sleep per step (to watch or interrupt a run).")
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("fail_at_step", "fail_rank", "fail_times", "min_workers"):
+            _at_least(self, name, 0)
+        if self.fail_mode not in ("exit", "sigkill", "raise"):
+            raise ConfigError(f"fail_mode must be exit, sigkill or raise (got '{self.fail_mode}').")
+        if self.fail_at_step and self.fail_rank >= self.num_workers:
+            raise ConfigError(
+                f"fail_rank ({self.fail_rank}) must be below num_workers ({self.num_workers})."
+            )
+        if self.fail_at_step > self.max_steps:
+            raise ConfigError(
+                f"fail_at_step ({self.fail_at_step}) is after max_steps ({self.max_steps})."
+            )
+        if self.fail_during_checkpoint and self.fail_at_step % self.checkpoint_every:
+            raise ConfigError(
+                f"fail_during_checkpoint needs fail_at_step ({self.fail_at_step}) to be a "
+                f"checkpoint step (a multiple of checkpoint_every={self.checkpoint_every})."
+            )
+        if self.min_workers > self.num_workers:
+            raise ConfigError(
+                f"min_workers ({self.min_workers}) must not exceed "
+                f"num_workers ({self.num_workers})."
+            )
+        if self.sleep_per_step < 0:
+            raise ConfigError(f"sleep_per_step must be >= 0 (got {self.sleep_per_step}).")
+
+
 def _at_least(cfg: Any, name: str, minimum: int) -> None:
     value = getattr(cfg, name)
     if value < minimum:

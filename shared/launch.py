@@ -15,7 +15,7 @@ import random
 import sys
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +24,7 @@ import torch
 
 from shared.cluster import ClusterInfo, check_local_resources, ray_cluster
 from shared.config import ConfigError
+from shared.data import global_order_batches, skip_consumed
 from shared.storage import write_json_atomic
 
 SUMMARY_KEYS = (
@@ -67,6 +68,7 @@ class RaySession:
         self.device = ray.train.torch.get_device()
         self.dataset_name = dataset_name
         self.batch_size = batch_size or cfg.micro_batch_size  # sequences read per batch
+        self.samples_per_micro_batch = self.batch_size * self.world_size
 
     @contextlib.contextmanager
     def latest_checkpoint(self) -> Iterator[str | None]:
@@ -79,8 +81,8 @@ class RaySession:
         with ckpt.as_directory() as directory:
             yield directory
 
-    def epoch_batches(self, epoch: int) -> Iterator[torch.Tensor]:
-        """This rank's micro-batches for one pass over its streaming shard.
+    def shard_batches(self) -> Iterator[torch.Tensor]:
+        """One pass over this rank's streaming shard, ``batch_size`` sequences at a time.
 
         ``drop_last`` plus Ray Train's equal split give every rank the same number of
         batches, which DDP needs (a rank with one batch more would wait forever)."""
@@ -88,12 +90,12 @@ class RaySession:
 
         shard = ray.train.get_dataset_shard(self.dataset_name)
         for batch in shard.iter_torch_batches(
-            batch_size=self.batch_size,
-            drop_last=True,
-            dtypes=torch.long,
-            device=self.device,
+            batch_size=self.batch_size, drop_last=True, dtypes=torch.long, device=self.device
         ):
             yield batch["input_ids"]
+
+    def epoch_batches(self, epoch: int, start_sample: int) -> Iterator[torch.Tensor]:
+        return skip_consumed(self.shard_batches(), start_sample, self.samples_per_micro_batch)
 
     def report(self, metrics: dict, checkpoint_dir: str | None = None) -> None:
         import ray.train
@@ -107,6 +109,51 @@ class RaySession:
             checkpoint_dir_name=os.path.basename(checkpoint_dir),
             delete_local_checkpoint_after_upload=True,
         )
+
+
+class GlobalOrderSession(RaySession):
+    """Exactly-once data across failures and world-size changes.
+
+    Needs the dataset *unsplit* (``DataConfig(datasets_to_split=[])``): every rank reads the
+    whole epoch in the same fixed order and trains on every world-th micro-batch after the
+    saved position (:func:`shared.data.global_order_batches`). The position is a count of
+    samples, so a checkpoint written by N ranks resumes on M at exactly the next sample.
+    Costs every rank a full read of the epoch; fine for templates, for huge datasets prefer
+    a deterministic split that Ray Data can resume.
+    """
+
+    def __init__(self, cfg, log_samples: bool = False):
+        super().__init__(cfg)
+        self.attempt = _attempt_id(self.rank)  # same id on every rank of this worker group
+        self.sample_log = None
+        if log_samples:
+            os.makedirs(os.path.join(cfg.run_dir, "samples"), exist_ok=True)
+            self.sample_log = os.path.join(
+                cfg.run_dir, "samples", f"{self.attempt}-rank{self.rank}.jsonl"
+            )
+
+    def epoch_batches(self, epoch: int, start_sample: int) -> Iterator[torch.Tensor]:
+        start_batch = start_sample // self.batch_size
+        ordered = global_order_batches(
+            self.shard_batches(), start_batch, self.rank, self.world_size
+        )
+        for index, batch in ordered:
+            if self.sample_log:
+                with open(self.sample_log, "a") as f:
+                    f.write(
+                        json.dumps({"attempt": self.attempt, "epoch": epoch, "batch": index}) + "\n"
+                    )
+            yield batch
+
+
+def _attempt_id(rank: int) -> int:
+    """Rank 0's start time in ns, shared with all ranks: orders worker-group attempts."""
+    import torch.distributed as dist
+
+    stamp = [time.time_ns() if rank == 0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(stamp, src=0)
+    return stamp[0]
 
 
 def start_gpt2_worker(config: dict):
@@ -130,8 +177,10 @@ def start_gpt2_worker(config: dict):
 def scaling_config(cfg):
     from ray.train import ScalingConfig
 
+    elastic = getattr(cfg, "min_workers", 0)
     return ScalingConfig(
-        num_workers=cfg.num_workers,
+        # (min, max): Ray Train V2 starts with as many as fit and may restart with fewer.
+        num_workers=(elastic, cfg.num_workers) if elastic else cfg.num_workers,
         use_gpu=cfg.use_gpu,
         resources_per_worker={"CPU": cfg.cpus_per_worker},
     )
@@ -149,6 +198,24 @@ def run_config(cfg):
     )
 
 
+def _is_training_failure(err: BaseException) -> bool:
+    """Ray Train's own verdict that the workers failed (after any allowed restarts)."""
+    from ray.train import TrainingFailedError
+
+    return isinstance(err, TrainingFailedError)
+
+
+class TrainingGaveUp(RuntimeError):
+    """The run failed more often than FailureConfig(max_failures) allows."""
+
+    def __init__(self, max_failures: int, cause: BaseException):
+        first_line = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+        super().__init__(
+            f"training failed and Ray Train gave up after max_failures={max_failures} "
+            f"restart(s): {type(cause).__name__}: {first_line}"
+        )
+
+
 @dataclass
 class JobRun:
     """Filled in by the job inside ``with job_run(cfg) as run:``."""
@@ -157,6 +224,8 @@ class JobRun:
     cluster: ClusterInfo | None = None
     result: Any = None  # ray.train.Result
     extra: dict = field(default_factory=dict)  # job-specific summary keys
+    # Called when the summary is written, also after a failure: more job-specific keys.
+    summary_hook: Callable[[], dict] | None = None
 
 
 def summarize(run: JobRun, wall_s: float, error: BaseException | None) -> dict:
@@ -179,23 +248,30 @@ def summarize(run: JobRun, wall_s: float, error: BaseException | None) -> dict:
         "run_dir": cfg.run_dir,
     }
     for key in ("steps_this_run", "mfu", "step_time_median_s", "data_wait_total_s", "dtype",
-                "model_state_bytes_per_rank", "peak_rss", "cuda_peak_allocated"):  # fmt: skip
+                "model_state_bytes_per_rank", "peak_rss", "cuda_peak_allocated",
+                "samples_seen"):  # fmt: skip
         if key in metrics:
             summary[key] = metrics[key]
     summary |= run.extra
+    if run.summary_hook is not None:
+        summary |= run.summary_hook()
+    if error and summary["checkpoint"] is None:
+        summary["checkpoint"] = latest_complete_checkpoint(cfg.run_dir)
     if error:
         summary["error"] = f"{type(error).__name__}: {error}".splitlines()[0][:500]
     return summary
 
 
-def train_on_text(cfg, train_loop_per_worker) -> None:
+def train_on_text(
+    cfg, train_loop_per_worker, dataset_config=None, run: JobRun | None = None
+) -> None:
     """The driver of every text-training job: data source -> lazy Ray Data pipeline ->
     ``TorchTrainer(...).fit()`` on ``num_workers`` workers -> SUMMARY."""
     from ray.train.torch import TorchTrainer
 
     from shared.data import build_text_dataset, resolve_text_source, tokenizer_spec
 
-    with job_run(cfg) as run:
+    with job_run(cfg, run) as run:
         source = resolve_text_source(cfg)  # smoke: writes the corpus + tokenizer once
         trainer = TorchTrainer(
             train_loop_per_worker,
@@ -204,17 +280,27 @@ def train_on_text(cfg, train_loop_per_worker) -> None:
             run_config=run_config(cfg),
             # Lazy: read -> tokenise -> pack streams into the workers' shards while they train.
             datasets={"train": build_text_dataset(source, cfg.seq_len, cfg.max_samples)},
+            **({"dataset_config": dataset_config} if dataset_config is not None else {}),
         )
         run.result = trainer.fit()
 
 
+def latest_complete_checkpoint(run_dir: str) -> str | None:
+    """The newest ``step_*`` checkpoint in the run directory that has its train state."""
+    if "://" in run_dir or not os.path.isdir(run_dir):
+        return None
+    names = sorted(n for n in os.listdir(run_dir) if n.startswith("step_"))
+    complete = [n for n in names if os.path.exists(os.path.join(run_dir, n, "train_state.json"))]
+    return os.path.join(run_dir, complete[-1]) if complete else None
+
+
 @contextlib.contextmanager
-def job_run(cfg) -> Iterator[JobRun]:
+def job_run(cfg, run: JobRun | None = None) -> Iterator[JobRun]:
     """Check resources, connect to Ray, run the body, always end with the SUMMARY line.
 
     Exit status: 0 on success, 2 for a bad setting (before any cluster starts), 1 otherwise.
     """
-    run = JobRun(cfg)
+    run = run or JobRun(cfg)
     try:
         check_local_resources(cfg)
     except ConfigError as err:
@@ -230,6 +316,8 @@ def job_run(cfg) -> Iterator[JobRun]:
     except Exception as err:  # noqa: BLE001 - the run contract reports every failure
         error = err
         traceback.print_exc()
+        if _is_training_failure(err) and not isinstance(err, TrainingGaveUp):
+            error = TrainingGaveUp(cfg.max_failures, err)
     summary = summarize(run, time.time() - cfg.driver_start_time, error)
     line = json.dumps(summary, default=str)
     if "://" not in cfg.run_dir:
@@ -238,4 +326,8 @@ def job_run(cfg) -> Iterator[JobRun]:
         )
     print(f"SUMMARY {line}", flush=True)
     if error:
+        resume = (
+            f"; last complete checkpoint: {summary['checkpoint']}" if summary["checkpoint"] else ""
+        )
+        print(f"error: {summary['error']}{resume}", file=sys.stderr, flush=True)
         raise SystemExit(1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Protocol
 
 import torch
@@ -31,7 +31,13 @@ class Session(Protocol):
 
     def latest_checkpoint(self) -> contextlib.AbstractContextManager[str | None]: ...
 
-    def epoch_batches(self, epoch: int) -> Iterable[torch.Tensor]: ...
+    # Sequences all ranks together consume per micro-step (the data position's unit).
+    samples_per_micro_batch: int
+
+    def epoch_batches(self, epoch: int, start_sample: int) -> Iterable[torch.Tensor]:
+        """This rank's micro-batches of ``epoch``, resuming after ``start_sample`` sequences
+        the run already trained on."""
+        ...
 
     def report(self, metrics: dict, checkpoint_dir: str | None = None) -> None: ...
 
@@ -55,7 +61,7 @@ def restore(strategy: Strategy, session: Session) -> tuple[TrainState, int | Non
     if session.rank == 0:
         print(
             f"resumed from checkpoint at step {state.step} (epoch {state.epoch}, "
-            f"{state.batches_in_epoch} micro-batches into it)",
+            f"{state.samples_in_epoch} samples into it)",
             flush=True,
         )
     return state, state.step
@@ -66,6 +72,7 @@ def save_and_report(
 ) -> None:
     """Every rank writes its part of the checkpoint, then all report it together."""
     state.world_size = session.world_size
+    state.global_batch_size = cfg.global_batch_size
 
     def write(directory: str) -> None:
         strategy.save(directory, session.rank)
@@ -89,16 +96,6 @@ def _print_header(
         f"{cfg.max_steps} steps | MFU peak: {peak_source} | run dir {cfg.run_dir}",
         flush=True,
     )
-
-
-def _skip(batches: Iterator, n: int) -> int:
-    """Consume the ``n`` micro-batches a resumed run already trained on this epoch."""
-    skipped = 0
-    for _ in range(n):
-        if next(batches, None) is None:
-            break
-        skipped += 1
-    return skipped
 
 
 def _tracker(cfg, strategy: Strategy, session: Session) -> StepMetrics:
@@ -126,7 +123,7 @@ def _after_step(cfg, strategy, session, state: TrainState, tracker: StepMetrics,
     if last or state.step % cfg.checkpoint_every == 0:
         metrics = dict(row)
         if last:  # the driver reads the run's summary from the last checkpoint's metrics
-            metrics |= run_summary(tracker, strategy, session, resumed_from)
+            metrics |= run_summary(tracker, strategy, session, state, resumed_from)
         save_and_report(cfg, strategy, session, state, metrics)
     elif state.step % cfg.log_every == 0:
         session.report(row)
@@ -141,8 +138,8 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
     micro, loss_sum, data_wait = 0, torch.zeros((), device=session.device), 0.0
     step_start = time.perf_counter()
     while state.step < cfg.last_step:
-        batches = iter(session.epoch_batches(state.epoch))
-        seen_in_epoch = _skip(batches, state.batches_in_epoch)  # resume mid-epoch
+        batches = iter(session.epoch_batches(state.epoch, state.samples_in_epoch))
+        seen_in_epoch = state.samples_in_epoch
         while state.step < cfg.last_step:
             wait_start = time.perf_counter()
             input_ids = next(batches, None)
@@ -150,7 +147,7 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
             if input_ids is None:
                 break
             seen_in_epoch += 1
-            state.batches_in_epoch += 1
+            state.samples_in_epoch += session.samples_per_micro_batch
             micro += 1
             # Gradients are synchronised only on the last micro-batch of the window.
             loss_sum += strategy.forward_backward(input_ids, sync=micro == cfg.grad_accum)
@@ -178,23 +175,29 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
                 f"than {cfg.micro_batch_size} sequences of {cfg.seq_len} tokens per worker."
             )
         if state.step < cfg.last_step:
+            state.samples_per_epoch[str(state.epoch)] = state.samples_in_epoch
             state.epoch += 1
-            state.batches_in_epoch = 0
+            state.samples_in_epoch = 0
     if session.rank == 0:
         if not tracker.history:
             print(f"nothing to train: the run is already at step {state.step}", flush=True)
         elif cfg.stop_at_step and state.step == cfg.stop_at_step:
             print(f"stopped at step {state.step} of {cfg.max_steps} (stop_at_step); run again "
                   f"with run_name={cfg.run_name} to continue", flush=True)  # fmt: skip
-    return run_summary(tracker, strategy, session, resumed_from)
+    return run_summary(tracker, strategy, session, state, resumed_from)
 
 
 def run_summary(
-    tracker: StepMetrics, strategy: Strategy, session: Session, resumed_from: int | None
+    tracker: StepMetrics,
+    strategy: Strategy,
+    session: Session,
+    state: TrainState,
+    resumed_from: int | None,
 ) -> dict:
     return {
         **tracker.summary(),
         "resumed_from_step": resumed_from,
+        "samples_seen": state.samples_seen(),
         "world_size": session.world_size,
         "dtype": DTYPE_NAMES[strategy.dtype],
         "model_state_bytes_per_rank": strategy.measured_state_bytes,

@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from shared.data import skip_consumed
+
 
 def init_distributed() -> tuple[int, int, torch.device]:
     """(rank, world size, device) from torchrun's environment; no process group if alone."""
@@ -31,12 +33,14 @@ def init_distributed() -> tuple[int, int, torch.device]:
 
 
 class TorchrunSession:
-    """Batches from a callable, checkpoints in a local directory, metrics kept in memory."""
+    """Batches from a callable (``epoch -> micro-batches of batch_size``), checkpoints in a
+    local directory, metrics kept in memory."""
 
     def __init__(
         self,
         epoch_batches: Callable[[int], Iterable[torch.Tensor]],
         checkpoint_root: str,
+        batch_size: int,
         rank: int = 0,
         world_size: int = 1,
         device: torch.device | None = None,
@@ -47,6 +51,10 @@ class TorchrunSession:
         self.world_size = world_size
         self.device = device or torch.device("cpu")
         self.reports: list[dict] = []
+        self.samples_per_micro_batch = batch_size * world_size
+
+    def epoch_batches(self, epoch: int, start_sample: int) -> Iterable[torch.Tensor]:
+        return skip_consumed(self._epoch_batches(epoch), start_sample, self.samples_per_micro_batch)
 
     def checkpoints(self) -> list[str]:
         if not os.path.isdir(self.checkpoint_root):
@@ -58,9 +66,6 @@ class TorchrunSession:
     def latest_checkpoint(self) -> Iterator[str | None]:
         found = self.checkpoints()
         yield found[-1] if found else None
-
-    def epoch_batches(self, epoch: int) -> Iterable[torch.Tensor]:
-        return self._epoch_batches(epoch)
 
     def _barrier(self) -> None:
         if self.world_size > 1:

@@ -25,7 +25,7 @@ def test_atomic_directory_promotes_only_complete_writes(tmp_path):
 def test_train_state_and_rng_round_trip(tmp_path):
     torch.manual_seed(1)
     random.seed(1)
-    state = TrainState(step=7, epoch=1, batches_in_epoch=3, tokens_seen=4096, world_size=2)
+    state = TrainState(step=7, epoch=1, samples_in_epoch=48, tokens_seen=4096, world_size=2)
     checkpoint.save_train_state(str(tmp_path), state, rank=0)
     checkpoint.save_train_state(str(tmp_path), state, rank=1)
     expected = (torch.rand(3), random.random())

@@ -7,6 +7,7 @@ from conftest import REPO
 from shared.cluster import check_local_resources
 from shared.config import (
     ConfigError,
+    FaultToleranceConfig,
     FSDPConfig,
     TP2DConfig,
     TrainConfig,
@@ -116,6 +117,7 @@ JOB_CONFIGS = {
     "fsdp": FSDPConfig,
     "zero": ZeroConfig,
     "tp2d": TP2DConfig,
+    "fault_tolerance": FaultToleranceConfig,
 }
 
 
@@ -200,3 +202,35 @@ def test_fp16_falls_back_to_fp32_where_unsupported(capsys):
     assert "dtype=fp16 is not supported on cpu; training in fp32 instead" in capsys.readouterr().out
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
     assert resolve_dtype("bf16", torch.device("cpu")) == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"fail_mode": "segfault"}, "fail_mode must be exit, sigkill or raise (got 'segfault')."),
+        ({"fail_rank": 2}, "fail_rank (2) must be below num_workers (2)."),
+        ({"fail_at_step": 31}, "fail_at_step (31) is after max_steps (30)."),
+        (
+            {"fail_during_checkpoint": "true", "fail_at_step": 13},
+            "fail_during_checkpoint needs fail_at_step (13) to be a checkpoint step",
+        ),
+        ({"min_workers": 3}, "min_workers (3) must not exceed num_workers (2)."),
+    ],
+)
+def test_fault_tolerance_settings(overrides, message):
+    import jobs.fault_tolerance.main as ft
+
+    with pytest.raises(ConfigError) as err:
+        build_config(
+            FaultToleranceConfig, ft.PROFILES, "smoke", {k: str(v) for k, v in overrides.items()}
+        )
+    assert str(err.value).startswith(message)
+
+
+def test_min_workers_makes_the_scaling_config_elastic():
+    from shared.launch import scaling_config
+
+    elastic = build_config(FaultToleranceConfig, PROFILES, "smoke", {"min_workers": "1"})
+    assert scaling_config(elastic).num_workers == (1, 2)
+    assert scaling_config(elastic).elasticity_enabled
+    assert scaling_config(build(num_workers=2)).num_workers == 2

@@ -57,7 +57,11 @@ def run(cfg, data, spec, root, rank=0, world=1):
     model = apply_ddp(model, torch.device("cpu"))
     strategy = DDPStrategy(model, cfg, torch.device("cpu"), torch.float32)
     session = TorchrunSession(
-        batches_for(data, cfg.micro_batch_size, rank, world), root, rank, world
+        batches_for(data, cfg.micro_batch_size, rank, world),
+        root,
+        cfg.micro_batch_size,
+        rank,
+        world,
     )
     summary = train(cfg, strategy, session)
     params = {k: v.detach().clone() for k, v in unwrap(strategy.model).state_dict().items()}

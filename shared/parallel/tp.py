@@ -132,8 +132,8 @@ class TPGroupSession:
     def __getattr__(self, name):
         return getattr(self._session, name)
 
-    def epoch_batches(self, epoch: int) -> Iterator[torch.Tensor]:
-        return gather_tp_batches(self._session.epoch_batches(epoch), self._tp_mesh)
+    def epoch_batches(self, epoch: int, start_sample: int) -> Iterator[torch.Tensor]:
+        return gather_tp_batches(self._session.epoch_batches(epoch, start_sample), self._tp_mesh)
 
 
 def placement(mesh: DeviceMesh, node_id: str) -> list[dict]:
