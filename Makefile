@@ -10,28 +10,40 @@ JOB ?=
 PROFILE ?= smoke
 ARGS ?=
 PYTEST_ARGS ?=
+WAIT ?=
+IMAGE ?=
+DEST ?=
+KIND_CLUSTER ?= ray-templates
 
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NET := $(if $(filter 1,$(LOOPBACK_ONLY)),ci/loopback.sh,)
 
-# Fail on a bad JOB before anything is installed or started.
-ifneq ($(filter run-local,$(MAKECMDGOALS)),)
+# Fail on a bad JOB (or DEST) before anything is installed or started.
+JOB_TARGETS := run-local run-cluster submit render-kuberay run-kuberay kind-image template stack
+ifneq ($(filter $(JOB_TARGETS),$(MAKECMDGOALS)),)
   ifeq ($(JOB),)
-    $(error JOB is required, e.g. make run-local JOB=ddp; valid jobs: $(JOBS))
+    $(error JOB is required, e.g. make $(firstword $(filter $(JOB_TARGETS),$(MAKECMDGOALS))) JOB=ddp; valid jobs: $(JOBS))
   endif
   ifeq ($(filter $(JOB),$(JOBS)),)
     $(error unknown JOB '$(JOB)'; valid jobs: $(JOBS))
   endif
 endif
+ifneq ($(filter template,$(MAKECMDGOALS)),)
+  ifeq ($(DEST),)
+    $(error DEST is required, e.g. make template JOB=$(JOB) DEST=../my-$(JOB)-job)
+  endif
+endif
 
-.PHONY: help setup run-local test test-unit lint clean
+.PHONY: help setup run-local test test-unit lint clean stack tensorboard \
+	run-cluster submit compute-configs containerfiles render-kuberay run-kuberay kuberay-crds \
+	kind-up kind-image kind-down template validate plan bench
 
 help: ## Show the targets
 	@echo "usage: make <target> [JOB=<job>] [PROFILE=smoke|full] [ARGS=\"key=value ...\"]"
 	@echo
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-11s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-15s %s\n", $$1, $$2}'
 	@echo
 	@echo "jobs: $(JOBS)"
 
@@ -44,13 +56,68 @@ $(STAMP): pyproject.toml constraints.txt ci/setup.sh
 run-local: setup ## Run JOB on a local Ray cluster: make run-local JOB=ddp [PROFILE=full] [ARGS="lr=1e-3"]
 	$(NET) $(PY) jobs/$(JOB)/main.py --profile $(PROFILE) $(ARGS)
 
-test: setup ## All tests: unit + end-to-end on a real local Ray cluster
-	$(NET) $(PY) -m pytest $(PYTEST_ARGS)
+# No `setup` prerequisite: this runs beside a live job and must never start a reinstall.
+stack: ## Python stacks of JOB's running driver + workers: make stack JOB=ddp [ARGS="--run NAME"]
+	$(PY) -m shared.stack --job $(JOB) $(ARGS)
+
+tensorboard: setup ## TensorBoard over every run under runs/ (http://127.0.0.1:6006)
+	$(VENV)/bin/tensorboard --logdir runs --host 127.0.0.1
+
+# --- the same job on a cluster: local multi-node, Anyscale, KubeRay (README: "Run it on a cluster")
+run-cluster: setup ## JOB on a local head + worker node via the Ray Jobs API (ray job submit)
+	$(NET) $(PY) -m ci.run_cluster --job $(JOB) --profile $(PROFILE) $(ARGS)
+
+submit: setup ## JOB on Anyscale: anyscale job submit -f jobs/JOB/job.yaml [WAIT=1 adds --wait]
+	$(PY) -m ci.anyscale_cli submit --job $(JOB) $(if $(filter 1,$(WAIT)),--wait,)
+
+compute-configs: setup ## Register compute_configs/*.yaml on Anyscale under their file names
+	$(PY) -m ci.anyscale_cli compute-configs
+
+containerfiles: setup ## Rewrite images/Containerfile + jobs/*/Containerfile from images/requirements.txt
+	$(PY) -m ci.images
+
+render-kuberay: setup ## build/JOB/rayjob.yaml: a KubeRay RayJob derived from job.yaml [IMAGE=...]
+	$(PY) -m ci.kuberay render --job $(JOB) --profile $(PROFILE) $(if $(IMAGE),--image $(IMAGE),)
+
+run-kuberay: setup ## Render, apply to the current kubectl context, wait, print logs; fail unless SUCCEEDED
+	$(PY) -m ci.kuberay run --job $(JOB) --profile $(PROFILE) $(if $(IMAGE),--image $(IMAGE),)
+
+kuberay-crds: setup ## Fetch the pinned KubeRay RayJob CRD (into ci/kuberay/, or KUBERAY_CRD_DIR)
+	$(PY) -m ci.kuberay fetch-crds
+
+kind-up: ## kind cluster + KubeRay operator 1.7.0 via helm (needs docker, kind, helm, kubectl)
+	KIND_CLUSTER=$(KIND_CLUSTER) ci/kind-up.sh
+
+kind-image: ## Build jobs/JOB/Containerfile and load it into kind (then: make run-kuberay IMAGE=train-JOB:dev)
+	docker build -t train-$(JOB):dev -f jobs/$(JOB)/Containerfile jobs/$(JOB)
+	kind load docker-image train-$(JOB):dev --name $(KIND_CLUSTER)
+
+kind-down: ## Delete the kind cluster
+	kind delete cluster --name $(KIND_CLUSTER)
+
+template: setup ## Standalone starter project for JOB: make template JOB=fsdp DEST=../my-job
+	$(PY) -m ci.template --job $(JOB) --dest $(DEST)
+
+plan: setup ## Memory per GPU of each strategy + a recommendation: make plan ARGS="--preset gpt2-xl --gpus 8 --gpu-mem 16GiB"
+	$(PY) -m shared.planner $(ARGS)
+
+bench: setup ## DDP/FSDP2/ZeRO-1/2/3/TPxDP on the local cluster -> docs/benchmarks.md + .png (~10 min)
+	$(NET) $(PY) benchmarks/bench.py $(ARGS)
+
+# Two pytest workers, one test file each at a time (files share their job runs through module
+# fixtures): the e2e runs mostly wait on Ray start-up, so two overlap well even on 2 cores.
+TEST_WORKERS ?= 2
+
+test: setup ## All tests: unit + end-to-end on a real local Ray cluster [TEST_WORKERS=2]
+	$(NET) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+validate: setup ## Offline checks of job.yaml, compute configs, workspace, images, pins, RayJobs
+	$(PY) -m pytest tests/test_deploy.py tests/test_kuberay.py tests/test_pins.py $(PYTEST_ARGS)
 
 test-unit: setup ## Only the fast tests (no Ray cluster)
 	$(NET) $(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)
 
-lint: setup ## pre-commit hooks over the whole tree (ruff, ruff-format, yamllint, whitespace)
+lint: setup ## pre-commit: ruff, yamllint, hadolint, workflow schema + actionlint, whitespace
 	$(PY) -m pre_commit run --all-files --show-diff-on-failure
 
 clean: ## Remove runs, caches and build outputs (keeps .venv)

@@ -26,6 +26,9 @@ pip() {
 }
 # torch first, exactly pinned: left to a resolver, a CPU-only machine could pull a multi-GB
 # CUDA build. DS_BUILD_OPS=0: DeepSpeed compiles its C++ ops on first use instead of at install.
-pip install --quiet --disable-pip-version-check -c constraints.txt torch==2.13.0
+# TORCH_INDEX_URL (e.g. https://download.pytorch.org/whl/cpu in GitHub Actions) adds the index
+# with the CPU build; the +cpu local version sorts above PyPI's CUDA build, so pip takes it.
+pip install --quiet --disable-pip-version-check -c constraints.txt torch==2.13.0 \
+  ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"}
 DS_BUILD_OPS=0 pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
 echo "installed: $(.venv/bin/python -c 'import torch, ray, transformers, deepspeed; print(f"torch {torch.__version__}, ray {ray.__version__}, transformers {transformers.__version__}, deepspeed {deepspeed.__version__}")' 2>/dev/null)"

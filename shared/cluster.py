@@ -13,6 +13,7 @@ import contextlib
 import os
 import secrets
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -21,6 +22,9 @@ from shared.config import ConfigError
 # Read by Ray Train on the driver and propagated to the controller and every worker.
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")  # the Train API these templates use
 os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")  # else rank 0's lines print twice
+# The dashboard's "Stack Trace" / "CPU Flame Graph" buttons (py-spy) on a local cluster, which
+# binds 127.0.0.1 with token auth. Off by default in Ray 2.60; a joined cluster keeps its own.
+os.environ.setdefault("RAY_DASHBOARD_ENABLE_PROFILING", "1")
 
 # Ray Data needs at least one CPU that training workers do not reserve, or the pipeline
 # waits forever for a CPU ("Active & requested resources: 1/0 CPU").
@@ -78,6 +82,18 @@ def _enable_local_token_auth(token_file: str | None) -> None:
             f.write(os.environ["RAY_AUTH_TOKEN"])
 
 
+def _private_temp_root() -> str:
+    """A Ray temp root for this local cluster only (every Ray process inherits it).
+
+    Ray records "the latest cluster" in ``<temp root>/ray/ray_current_cluster``, and its state
+    API - which Ray Train's placement-group cleaner calls - connects to the cluster named
+    there. With the shared /tmp, a second cluster on the machine (a test run, another job)
+    takes that slot, and every such call stalls for tens of seconds."""
+    if "RAY_TMPDIR" not in os.environ:
+        os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="ray-")
+    return os.environ["RAY_TMPDIR"]
+
+
 @contextlib.contextmanager
 def ray_cluster(cfg, token_file: str | None = None) -> Iterator[ClusterInfo]:
     """Connect (or start), yield, and always disconnect; a local cluster is stopped."""
@@ -90,6 +106,7 @@ def ray_cluster(cfg, token_file: str | None = None) -> Iterator[ClusterInfo]:
         info = ClusterInfo(address, False, getattr(context, "dashboard_url", None))
     else:
         _enable_local_token_auth(token_file)
+        temp_root = _private_temp_root()
         context = ray.init(
             address="local",
             include_dashboard=True,
@@ -98,6 +115,7 @@ def ray_cluster(cfg, token_file: str | None = None) -> Iterator[ClusterInfo]:
             **quiet,
         )
         info = ClusterInfo("local", True, context.dashboard_url)
+        print(f"Ray logs: {temp_root}/ray/session_latest/logs", flush=True)
     _quiet_ray_data()
     if info.dashboard_url:
         url = info.dashboard_url if "://" in info.dashboard_url else f"http://{info.dashboard_url}"
@@ -117,6 +135,26 @@ def _quiet_ray_data() -> None:
     ctx.enable_progress_bars = sys.stdout.isatty()
     # Blocks arrive in a fixed order, so a run (and its resume) sees the same sequence.
     ctx.execution_options.preserve_order = True
+
+
+def train_worker_nodes() -> int | None:
+    """How many nodes this driver's Ray Train workers ran on (Ray's state API keeps dead
+    actors too, so this works after ``fit()``); None if the state API is unavailable."""
+    import ray
+    from ray.util.state import list_actors
+
+    context = ray.get_runtime_context()
+    filters = [("class_name", "=", "RayTrainWorker"), ("job_id", "=", context.get_job_id())]
+    try:
+        # Our own GCS address: left to find "the" cluster, the state API scans the machine and
+        # stalls for a minute when other clusters run beside this one.
+        actors = list_actors(
+            address=context.gcs_address, filters=filters, detail=True, limit=10_000,
+            timeout=10, raise_on_missing_output=False,
+        )  # fmt: skip
+    except Exception:  # noqa: BLE001 - informational only; the run itself succeeded
+        return None
+    return len({actor.node_id for actor in actors}) or None
 
 
 def topology() -> list[dict]:

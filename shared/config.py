@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -22,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 PROFILES = ("smoke", "full")
+# Ray placement-group strategies for the worker bundles (STRICT_* fail instead of degrading).
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 class ConfigError(ValueError):
@@ -46,8 +49,14 @@ class BaseConfig:
     num_workers: int = setting(2, "Training workers (one process per device).")
     use_gpu: bool = setting(False, "One GPU per worker; CPU + gloo otherwise.")
     cpus_per_worker: float = setting(1.0, "CPUs reserved per worker (fractional is fine).")
+    placement_strategy: str = setting(
+        "PACK", "How Ray places the workers: PACK (fewest nodes) or SPREAD (one per node first)."
+    )
     max_failures: int = setting(0, "Worker-group restarts Ray Train may do before giving up.")
     keep_checkpoints: int = setting(2, "Checkpoints kept in storage; 0 = all.")
+    collective_timeout_s: float = setting(
+        1800.0, "A collective (all-reduce, barrier ...) waiting longer fails the run, not hangs."
+    )
 
     # set by the launcher, not by users
     job: str = field(default="", metadata={"internal": True})
@@ -71,6 +80,15 @@ class BaseConfig:
         _at_least(self, "keep_checkpoints", 0)
         if self.cpus_per_worker <= 0:
             raise ConfigError(f"cpus_per_worker must be > 0 (got {self.cpus_per_worker}).")
+        if self.collective_timeout_s < 1:
+            raise ConfigError(
+                f"collective_timeout_s must be >= 1 (got {self.collective_timeout_s:g})."
+            )
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ConfigError(
+                f"placement_strategy must be one of {', '.join(PLACEMENT_STRATEGIES)} "
+                f"(got '{self.placement_strategy}')."
+            )
         if "/" in self.run_name or self.run_name in (".", ".."):
             raise ConfigError(f"run_name must be a plain name, not a path (got '{self.run_name}').")
 
@@ -110,6 +128,10 @@ class TrainConfig(BaseConfig):
     log_every: int = setting(5, "Print a progress line every N steps.")
     peak_tflops: float = setting(
         0.0, "Per-device peak TFLOP/s for MFU; 0 = look the device up (see shared/metrics.py)."
+    )
+    tensorboard: bool = setting(True, "Write TensorBoard events to <run_dir>/tensorboard/.")
+    profile_steps: str = setting(
+        "", "Torch-profile steps a-b (e.g. 3-5) on every rank into <run_dir>/profile/; empty = off."
     )
 
     @property
@@ -159,6 +181,7 @@ class TrainConfig(BaseConfig):
                 f"stop_at_step ({self.stop_at_step}) must be smaller than "
                 f"max_steps ({self.max_steps}); 0 turns it off."
             )
+        self._validate_profile_steps()
         if self.dtype not in self.dtypes:
             raise ConfigError(
                 f"dtype must be one of {', '.join(self.dtypes)} (got '{self.dtype}')."
@@ -172,6 +195,19 @@ class TrainConfig(BaseConfig):
             raise ConfigError(f"dataset path '{self.dataset}' does not exist.")
         if self.tokenizer and os.sep in self.tokenizer and not os.path.isdir(self.tokenizer):
             raise ConfigError(f"tokenizer directory '{self.tokenizer}' does not exist.")
+
+    def _validate_profile_steps(self) -> None:
+        from shared.profiling import parse_profile_steps  # local import: profiling pulls torch
+
+        try:
+            steps = parse_profile_steps(self.profile_steps)
+        except ValueError:
+            steps = (0, 0)
+        if steps is not None and not 1 <= steps[0] <= steps[1] <= self.max_steps:
+            raise ConfigError(
+                f"profile_steps must be a step range a-b with 1 <= a <= b <= max_steps "
+                f"({self.max_steps}), e.g. 3-5 (got '{self.profile_steps}')."
+            )
 
 
 @dataclass
@@ -374,11 +410,21 @@ def build_config(
     cfg = apply_overrides(cfg, overrides)
     cfg.profile = profile
     cfg.validate()
-    if not cfg.run_name:  # a fresh run each time unless the user names one to resume
-        cfg.run_name = f"{profile}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if not cfg.run_name:
+        cfg.run_name = default_run_name(profile)
     if "://" not in cfg.storage_path:  # workers run in another cwd: hand them absolute paths
         cfg.storage_path = os.path.abspath(cfg.storage_path)
+    else:  # "$BUCKET_URI/runs" with a URI ending in "/" must not create an empty path segment
+        scheme, rest = cfg.storage_path.split("://", 1)
+        cfg.storage_path = f"{scheme}://{'/'.join(part for part in rest.split('/') if part)}"
     return cfg
+
+
+def default_run_name(profile: str) -> str:
+    """A fresh run each time, unless this is a retry of the same Anyscale job: its id is the
+    same for every attempt, so a retried job resumes from its own checkpoints."""
+    job_id = os.environ.get("ANYSCALE_PRODJOB_ID")
+    return f"{profile}-{job_id}" if job_id else f"{profile}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def describe(cls: type) -> str:
@@ -404,6 +450,11 @@ def parse_args(
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--profile", default="smoke", help="smoke (default) or full")
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved settings as JSON and exit (deployment tooling reads this)",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
     try:
@@ -413,4 +464,12 @@ def parse_args(
         raise SystemExit(2) from None
     cfg.job = job
     cfg.driver_start_time = time.time()
+    if args.print_config:
+        print(json.dumps({"job": job, "profile": cfg.profile, **resolved_settings(cfg)}))
+        raise SystemExit(0)
     return cfg
+
+
+def resolved_settings(cfg: BaseConfig) -> dict[str, Any]:
+    """Every user-facing setting's value after profile and overrides."""
+    return {name: getattr(cfg, name) for name in user_fields(type(cfg))}

@@ -13,6 +13,7 @@ import logging
 import os
 import random
 import sys
+import textwrap
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -22,9 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from shared.cluster import ClusterInfo, check_local_resources, ray_cluster
-from shared.config import ConfigError
+from shared.cluster import ClusterInfo, check_local_resources, ray_cluster, train_worker_nodes
+from shared.config import ConfigError, user_fields
 from shared.data import global_order_batches, skip_consumed
+from shared.stack import DRIVER, register_process
 from shared.storage import write_json_atomic
 
 SUMMARY_KEYS = (
@@ -69,6 +71,7 @@ class RaySession:
         self.dataset_name = dataset_name
         self.batch_size = batch_size or cfg.micro_batch_size  # sequences read per batch
         self.samples_per_micro_batch = self.batch_size * self.world_size
+        register_process(cfg.run_dir, f"rank{self.rank}")  # for `make stack`
 
     @contextlib.contextmanager
     def latest_checkpoint(self) -> Iterator[str | None]:
@@ -89,10 +92,19 @@ class RaySession:
         import ray.train
 
         shard = ray.train.get_dataset_shard(self.dataset_name)
+        # Host tensors: the loop copies them to the device inside its host_to_device trace
+        # range, so a profile shows the copy (token ids: a few hundred KB per batch at most).
         for batch in shard.iter_torch_batches(
-            batch_size=self.batch_size, drop_last=True, dtypes=torch.long, device=self.device
+            batch_size=self.batch_size, drop_last=True, dtypes=torch.long, device="cpu"
         ):
             yield batch["input_ids"]
+
+    def data_stats(self) -> str:
+        """Ray Data's execution stats for the training dataset (every operator's time, rows
+        and memory) plus this rank's iterator stats (how long it was blocked waiting)."""
+        import ray.train
+
+        return ray.train.get_dataset_shard(self.dataset_name).stats()
 
     def epoch_batches(self, epoch: int, start_sample: int) -> Iterator[torch.Tensor]:
         return skip_consumed(self.shard_batches(), start_sample, self.samples_per_micro_batch)
@@ -183,7 +195,16 @@ def scaling_config(cfg):
         num_workers=(elastic, cfg.num_workers) if elastic else cfg.num_workers,
         use_gpu=cfg.use_gpu,
         resources_per_worker={"CPU": cfg.cpus_per_worker},
+        placement_strategy=cfg.placement_strategy,
     )
+
+
+def torch_config(cfg):
+    """The process group Ray Train creates: a collective that waits longer than
+    ``collective_timeout_s`` raises (and fails the run) instead of hanging forever."""
+    from ray.train.torch import TorchConfig
+
+    return TorchConfig(timeout_s=int(cfg.collective_timeout_s))
 
 
 def run_config(cfg):
@@ -247,7 +268,8 @@ def summarize(run: JobRun, wall_s: float, error: BaseException | None) -> dict:
         "resumed_from_step": metrics.get("resumed_from_step"),
         "run_dir": cfg.run_dir,
     }
-    for key in ("steps_this_run", "mfu", "step_time_median_s", "data_wait_total_s", "dtype",
+    for key in ("steps_this_run", "mfu", "step_time_median_s", "data_wait_total_s",
+                "data_wait_fraction", "dtype",
                 "model_state_bytes_per_rank", "peak_rss", "cuda_peak_allocated",
                 "samples_seen"):  # fmt: skip
         if key in metrics:
@@ -278,11 +300,13 @@ def train_on_text(
             train_loop_config={"cfg": cfg, **tokenizer_spec(source.tokenizer)},
             scaling_config=scaling_config(cfg),
             run_config=run_config(cfg),
+            torch_config=torch_config(cfg),
             # Lazy: read -> tokenise -> pack streams into the workers' shards while they train.
             datasets={"train": build_text_dataset(source, cfg.seq_len, cfg.max_samples)},
             **({"dataset_config": dataset_config} if dataset_config is not None else {}),
         )
         run.result = trainer.fit()
+        run.extra["worker_nodes"] = train_worker_nodes()
 
 
 def latest_complete_checkpoint(run_dir: str) -> str | None:
@@ -292,6 +316,19 @@ def latest_complete_checkpoint(run_dir: str) -> str | None:
     names = sorted(n for n in os.listdir(run_dir) if n.startswith("step_"))
     complete = [n for n in names if os.path.exists(os.path.join(run_dir, n, "train_state.json"))]
     return os.path.join(run_dir, complete[-1]) if complete else None
+
+
+def start_block(cfg) -> str:
+    """Printed under the dashboard line: which run, where its files go, every setting."""
+    settings = " ".join(f"{name}={getattr(cfg, name)}" for name in user_fields(type(cfg)))
+    wrapped = textwrap.fill(settings, width=100, initial_indent="  settings: ",
+                            subsequent_indent="    ", break_long_words=False,
+                            break_on_hyphens=False)  # fmt: skip
+    return (
+        f"run {cfg.job}/{cfg.run_name} (profile {cfg.profile}): {cfg.run_dir}\n"
+        f"  watch: progress below | make tensorboard | make stack JOB={cfg.job} (if it hangs)\n"
+        f"{wrapped}"
+    )
 
 
 @contextlib.contextmanager
@@ -310,6 +347,8 @@ def job_run(cfg, run: JobRun | None = None) -> Iterator[JobRun]:
     try:
         with ray_cluster(cfg, token_file=os.path.join(cfg.run_dir, "ray-auth-token")) as info:
             run.cluster = info
+            register_process(cfg.run_dir, DRIVER)  # for `make stack`
+            print(start_block(cfg), flush=True)
             yield run
         if run.result is not None and run.result.error is not None:
             raise run.result.error

@@ -4,11 +4,17 @@ What varies is passed in:
   * a ``Strategy`` (shared/parallel): forward/backward, optimizer step, checkpoint format;
   * a ``Session`` (Ray Train or torchrun): this rank's batches, the checkpoint to resume
     from, and where metrics and checkpoints are reported.
+
+What a user sees comes from here too (docs/observability.md): the progress line, and on rank 0
+metrics.jsonl, TensorBoard events and the loss-curve PNG; on every rank the named trace ranges
+and, for ``profile_steps=a-b``, a profiler trace.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import time
 from collections.abc import Iterable
 from typing import Protocol
@@ -18,10 +24,21 @@ import torch.distributed as dist
 
 from shared import checkpoint
 from shared.checkpoint import TrainState
-from shared.metrics import StepMetrics, device_peak_tflops, peak_memory_bytes, rank0_metrics_path
+from shared.metrics import (
+    StepMetrics,
+    device_peak_tflops,
+    peak_memory_bytes,
+    rank0_metrics_path,
+    read_metrics,
+)
 from shared.models import count_params, flops_per_token, model_dims, unwrap
 from shared.parallel.base import Strategy
 from shared.precision import DTYPE_NAMES
+from shared.profiling import DATA_LOADING, HOST_TO_DEVICE, StepProfiler, trace_range
+from shared.tensorboard_log import TensorBoardLog, tensorboard_dir
+
+LOSS_CURVE_FILE = "loss_curve.png"
+DATA_STATS_FILE = "data_stats.txt"
 
 
 class Session(Protocol):
@@ -40,6 +57,9 @@ class Session(Protocol):
         ...
 
     def report(self, metrics: dict, checkpoint_dir: str | None = None) -> None: ...
+
+    # Optional: ``data_stats() -> str | None``, the input pipeline's execution statistics,
+    # printed by rank 0 at the end (RaySession: Ray Data's stats for the training dataset).
 
 
 def global_mean(value: torch.Tensor) -> float:
@@ -129,11 +149,63 @@ def _after_step(cfg, strategy, session, state: TrainState, tracker: StepMetrics,
         session.report(row)
 
 
+class RankZeroOutputs:
+    """What rank 0 writes besides metrics.jsonl: TensorBoard scalars every step, and at the
+    end the loss-curve PNG and the data pipeline's stats. Other ranks get a no-op."""
+
+    def __init__(self, cfg, strategy: Strategy, session: Session):
+        self.cfg, self.strategy, self.session = cfg, strategy, session
+        self.active = session.rank == 0
+        logdir = tensorboard_dir(cfg.run_dir) if cfg.tensorboard else None
+        self.tensorboard = TensorBoardLog(logdir) if self.active and logdir else None
+
+    def step(self, row: dict) -> None:
+        if self.tensorboard is not None:
+            memory = {**peak_memory_bytes(self.session.device),
+                      **(self.strategy.measured_state_bytes or {})}  # fmt: skip
+            self.tensorboard.add_step(row, memory)
+
+    def finish(self, tracker: StepMetrics) -> None:
+        if not self.active:
+            return
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        # Observability must not fail a run that trained: say what could not be written.
+        for what, write in (("loss curve", self._loss_curve), ("data stats", self._data_stats)):
+            try:
+                write(tracker)
+            except Exception as err:  # noqa: BLE001
+                print(f"warning: no {what}: {type(err).__name__}: {err}", file=sys.stderr,
+                      flush=True)  # fmt: skip
+
+    def _loss_curve(self, tracker: StepMetrics) -> None:
+        if tracker.path is None or not os.path.exists(tracker.path):
+            return
+        from shared.plots import save_run_plots  # matplotlib: imported only where it draws
+
+        path = os.path.join(self.cfg.run_dir, LOSS_CURVE_FILE)
+        save_run_plots(
+            read_metrics(tracker.path), path, title=f"{self.cfg.job} {self.cfg.run_name}"
+        )
+        print(f"loss curve: {path}", flush=True)
+
+    def _data_stats(self, tracker: StepMetrics) -> None:
+        stats = getattr(self.session, "data_stats", lambda: None)()
+        if not stats:
+            return
+        print(f"== data pipeline (Ray Data stats of rank 0's shard)\n{stats}", flush=True)
+        if "://" not in self.cfg.run_dir:
+            with open(os.path.join(self.cfg.run_dir, DATA_STATS_FILE), "w") as f:
+                f.write(stats)
+
+
 def train(cfg, strategy: Strategy, session: Session) -> dict:
     """Train to ``cfg.max_steps`` optimizer steps (or ``stop_at_step``); return this rank's
     summary metrics."""
     state, resumed_from = restore(strategy, session)
     tracker = _tracker(cfg, strategy, session)
+    outputs = RankZeroOutputs(cfg, strategy, session)
+    profiler = StepProfiler.for_run(cfg, session.rank, session.device)
     strategy.model.train()
     micro, loss_sum, data_wait = 0, torch.zeros((), device=session.device), 0.0
     step_start = time.perf_counter()
@@ -141,11 +213,17 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
         batches = iter(session.epoch_batches(state.epoch, state.samples_in_epoch))
         seen_in_epoch = state.samples_in_epoch
         while state.step < cfg.last_step:
+            if micro == 0:
+                profiler.step_starting(state.step + 1)
             wait_start = time.perf_counter()
-            input_ids = next(batches, None)
+            with trace_range(DATA_LOADING):
+                input_ids = next(batches, None)
             data_wait += time.perf_counter() - wait_start
             if input_ids is None:
                 break
+            # Sessions yield host tensors; the copy is its own trace range (a no-op on CPU).
+            with trace_range(HOST_TO_DEVICE):
+                input_ids = input_ids.to(session.device, non_blocking=True)
             seen_in_epoch += 1
             state.samples_in_epoch += session.samples_per_micro_batch
             micro += 1
@@ -166,6 +244,8 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
                 step_time=time.perf_counter() - step_start,
                 data_wait=data_wait,
             )
+            profiler.step_finished(state.step)
+            outputs.step(row)
             _after_step(cfg, strategy, session, state, tracker, row, resumed_from)
             micro, loss_sum, data_wait = 0, torch.zeros((), device=session.device), 0.0
             step_start = time.perf_counter()
@@ -178,12 +258,14 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
             state.samples_per_epoch[str(state.epoch)] = state.samples_in_epoch
             state.epoch += 1
             state.samples_in_epoch = 0
+    profiler.close()
     if session.rank == 0:
         if not tracker.history:
             print(f"nothing to train: the run is already at step {state.step}", flush=True)
         elif cfg.stop_at_step and state.step == cfg.stop_at_step:
             print(f"stopped at step {state.step} of {cfg.max_steps} (stop_at_step); run again "
                   f"with run_name={cfg.run_name} to continue", flush=True)  # fmt: skip
+    outputs.finish(tracker)
     return run_summary(tracker, strategy, session, state, resumed_from)
 
 

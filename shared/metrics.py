@@ -130,6 +130,10 @@ class StepMetrics:
             "tokens_per_s": tokens_per_s,
             "step_time_median_s": statistics.median(r["step_time_s"] for r in steady),
             "data_wait_total_s": sum(r["data_wait_s"] for r in self.history),
+            # Share of step time spent blocked on the next batch: > ~0.05 means input-bound.
+            "data_wait_fraction": sum(r["data_wait_s"] for r in steady) / total_time
+            if total_time
+            else 0.0,
             "mfu": tokens_per_s * self.flops_per_token / self.peak_flops,
             "time_to_first_step_s": self.first_step_end - self.cfg.driver_start_time,
             "steps_this_run": len(self.history),
@@ -142,3 +146,15 @@ def rank0_metrics_path(run_dir: str, rank: int) -> str | None:
         return None
     os.makedirs(run_dir, exist_ok=True)
     return os.path.join(run_dir, "metrics.jsonl")
+
+
+def read_metrics(path: str) -> list[dict]:
+    """metrics.jsonl rows in step order, one per step: a step that was trained again after a
+    restart from an older checkpoint keeps its latest row."""
+    by_step: dict[int, dict] = {}
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                by_step[row["step"]] = row
+    return [by_step[step] for step in sorted(by_step)]

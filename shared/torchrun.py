@@ -8,6 +8,7 @@ writes its own files into the same directory, which must be on storage all ranks
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import shutil
 from collections.abc import Callable, Iterable, Iterator
@@ -18,8 +19,11 @@ import torch.distributed as dist
 from shared.data import skip_consumed
 
 
-def init_distributed() -> tuple[int, int, torch.device]:
-    """(rank, world size, device) from torchrun's environment; no process group if alone."""
+def init_distributed(collective_timeout_s: float = 1800.0) -> tuple[int, int, torch.device]:
+    """(rank, world size, device) from torchrun's environment; no process group if alone.
+
+    A collective that waits longer than ``collective_timeout_s`` raises instead of hanging
+    (pass ``cfg.collective_timeout_s``; Ray Train gets the same through TorchConfig)."""
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if torch.cuda.is_available():
@@ -28,7 +32,10 @@ def init_distributed() -> tuple[int, int, torch.device]:
     else:
         device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            timeout=datetime.timedelta(seconds=collective_timeout_s),
+        )
     return rank, world_size, device
 
 

@@ -1,4 +1,5 @@
 import importlib
+import json
 import os
 
 import pytest
@@ -70,6 +71,10 @@ def test_profile_then_overrides_precedence():
         ),
         ({"run_name": "a/b"}, "run_name must be a plain name, not a path (got 'a/b')."),
         ({"cpus_per_worker": 0}, "cpus_per_worker must be > 0 (got 0.0)."),
+        (
+            {"placement_strategy": "RANDOM"},
+            "placement_strategy must be one of PACK, SPREAD, STRICT_PACK, STRICT_SPREAD",
+        ),
     ],
 )
 def test_bad_settings_fail_with_one_sentence(overrides, message):
@@ -94,6 +99,30 @@ def test_parse_args_prints_one_line_and_exits_2(capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err == "error: num_workers must be >= 1 (got -1).\n"
+
+
+def test_print_config_shows_the_resolved_settings_and_exits_0(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args("ddp", TrainConfig, PROFILES, ["--profile", "full", "--print-config", "lr=0.01"])
+    assert exit_info.value.code == 0
+    settings = json.loads(capsys.readouterr().out)
+    assert settings["job"] == "ddp" and settings["profile"] == "full"
+    assert settings["num_workers"] == 8 and settings["lr"] == 0.01
+    assert "driver_start_time" not in settings  # internal fields are not settings
+
+
+def test_default_run_name_is_the_anyscale_job_id_so_a_retry_resumes(monkeypatch):
+    monkeypatch.setenv("ANYSCALE_PRODJOB_ID", "prodjob_abc123")
+    assert build().run_name == "smoke-prodjob_abc123"
+    monkeypatch.delenv("ANYSCALE_PRODJOB_ID")
+    assert build().run_name.startswith("smoke-2")  # a timestamp: a fresh run each time
+
+
+def test_a_uri_storage_path_keeps_its_scheme_and_loses_empty_segments():
+    # e.g. "$ANYSCALE_ARTIFACT_STORAGE/runs": that URI ends in "/".
+    assert build(storage_path="s3://bucket/org/artifact_storage//runs").storage_path == (
+        "s3://bucket/org/artifact_storage/runs"
+    )
 
 
 def test_not_key_value(capsys):

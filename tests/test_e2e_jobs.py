@@ -10,17 +10,22 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, run_job
+from observability_checks import assert_trace_has_step_ranges, png_shape, tensorboard_scalars
+
+from shared.metrics import read_metrics
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
 def ddp_runs(tmp_path_factory):
-    """One 20-step run, then the same run name again with 30 steps: it must resume at 20."""
+    """One 20-step run (steps 3-5 profiled), then the same run name again with 30 steps: it
+    must resume at 20."""
     storage = tmp_path_factory.mktemp("runs")
     first = run_job(
-        "ddp", "run_name=resume", "max_steps=20", "checkpoint_every=10", storage=storage
-    )
+        "ddp", "run_name=resume", "max_steps=20", "checkpoint_every=10", "profile_steps=3-5",
+        storage=storage,
+    )  # fmt: skip
     second = run_job(
         "ddp", "run_name=resume", "max_steps=30", "checkpoint_every=10", storage=storage
     )
@@ -74,11 +79,42 @@ def test_ddp_resume_starts_at_the_saved_step(ddp_runs):
     assert [m["step"] for m in metrics] == list(range(1, 31))
 
 
+def test_ddp_run_is_observable(ddp_runs):
+    """Start block, profiler traces per rank, TensorBoard scalars, loss curve, data stats."""
+    first, second, _ = ddp_runs
+    run_dir = Path(first.summary["run_dir"])
+    assert f"run ddp/resume (profile smoke): {run_dir}\n" in first.stdout
+    assert "  settings: run_name=resume " in first.stdout and "profile_steps=3-5" in first.stdout
+    for rank in (0, 1):
+        assert_trace_has_step_ranges(run_dir / "profile" / f"rank{rank}.json", range(3, 6))
+    assert "profiler: steps 3-5 traced to" in first.stdout
+    # One TensorBoard folder per run: the resumed run appended steps 21-30 to it.
+    scalars = tensorboard_scalars(run_dir / "tensorboard")
+    rows = read_metrics(str(run_dir / "metrics.jsonl"))
+    assert sorted(scalars["train/loss"]) == [r["step"] for r in rows] == list(range(1, 31))
+    for row in rows:
+        assert scalars["train/loss"][row["step"]] == pytest.approx(row["loss"], rel=1e-6)
+        assert scalars["time/data_wait_s"][row["step"]] == pytest.approx(
+            row["data_wait_s"], rel=1e-5, abs=1e-9
+        )
+    # The data-wait metric in SUMMARY is the first run's steps' waits added up.
+    assert first.summary["data_wait_total_s"] == pytest.approx(
+        sum(r["data_wait_s"] for r in rows[:20]), rel=1e-6
+    )
+    assert 0 <= first.summary["data_wait_fraction"] <= 1
+    assert png_shape(run_dir / "loss_curve.png")[:2] == (660, 880)
+    # Ray Data's stats for the training dataset, printed and kept.
+    assert "== data pipeline (Ray Data stats of rank 0's shard)" in second.stdout
+    stats = (run_dir / "data_stats.txt").read_text()
+    assert "MapBatches(tokenize_and_pack)" in stats and "Dataset iterator time breakdown" in stats
+
+
 def test_env_check_reports_topology_bandwidth_and_matmul(tmp_path):
     result = run_job("env_check", "allreduce_sizes_mb=0.01,1", storage=tmp_path)
     assert result.returncode == 0, result.output[-3000:]
     for heading in ("== nodes", "== workers", "== all-reduce across 2 workers"):
         assert heading in result.stdout
+    assert "run env_check/" in result.stdout and "collective_timeout_s=1800.0" in result.stdout
     report = json.loads(Path(result.summary["report"]).read_text())
     assert len(report["nodes"]) == 1 and report["nodes"][0]["role"] == "head"
     assert report["nodes"][0]["cpus"] == os.cpu_count()

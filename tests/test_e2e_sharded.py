@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run_job
+from observability_checks import assert_trace_has_step_ranges
 
 pytestmark = pytest.mark.e2e
 
@@ -41,9 +42,11 @@ def storage(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(storage) -> dict[str, dict]:
-    """One uninterrupted 16-step run per strategy, same seed, model and data."""
+    """One uninterrupted 16-step run per strategy, same seed, model and data; steps 3-5
+    profiled (the profiler only observes: the losses must still match)."""
+    profiled = "profile_steps=3-5"
     return {
-        name: ok(run_job(job, *extra, *STEPS, f"run_name={name}", storage=storage))
+        name: ok(run_job(job, *extra, *STEPS, f"run_name={name}", profiled, storage=storage))
         for name, (job, *extra) in VARIANTS.items()
     }
 
@@ -58,6 +61,15 @@ def test_every_strategy_follows_the_same_loss_curve(runs):
         # room for that to compound, and is far below any real bug (a wrong LR or a missed
         # gradient sync shows up at 1e-2 within a step or two).
         assert losses(summary) == pytest.approx(reference, rel=1e-5), name
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_every_strategy_names_its_phases_in_the_trace_of_each_rank(name, runs):
+    """Including gradient_sync: DDP's comm hook, FSDP2's reduce-scatter, DeepSpeed's
+    allreduce_gradients (shared/profiling.py)."""
+    for rank in (0, 1):
+        path = Path(runs[name]["run_dir"], "profile", f"rank{rank}.json")
+        assert_trace_has_step_ranges(path, range(3, 6))
 
 
 def test_sharded_strategies_hold_the_expected_fraction_of_model_state(runs):
@@ -82,6 +94,22 @@ def test_sharded_strategies_hold_the_expected_fraction_of_model_state(runs):
     # DeepSpeed also keeps an fp32 master copy of each rank's partition, even in fp32 runs.
     for z in (z1, z2, z3):
         assert close(z["master_params"], half["params"])
+
+
+def test_planner_predicts_each_strategys_measured_model_state_bytes(runs):
+    """shared.planner lays the tensors out as each framework does (FSDP2's padded dim-0
+    shards, DeepSpeed's 2 x N-aligned flat groups and fp32 master partition, one AdamW step
+    counter per tensor or group), so its per-rank bytes equal the measurement exactly."""
+    from shared.planner import from_preset, model_state_per_rank
+
+    # The smoke profile: gpt2-tiny with the 512-token tokenizer the corpus generator trains
+    # (shared.data.generate_news_corpus) and 64-token sequences, fp32 on 2 ranks.
+    model = from_preset("gpt2-tiny", vocab=512, seq_len=64)
+    planned = {"ddp": "ddp", "fsdp": "fsdp2", "zero1": "zero1", "zero2": "zero2",
+               "zero3": "zero3", "zero3_offload": "zero3_offload"}  # fmt: skip
+    for run, strategy in planned.items():
+        measured = runs[run]["model_state_bytes_per_rank"]
+        assert model_state_per_rank(model, strategy, gpus=2) == measured, run
 
 
 # FSDP's DCP resume is covered below (2 -> 1 ranks) and by tests/test_e2e_tp2d.py.

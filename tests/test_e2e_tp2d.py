@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run_job
+from observability_checks import assert_trace_has_step_ranges
 
 pytestmark = pytest.mark.e2e
 
@@ -30,7 +31,7 @@ def storage(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def uninterrupted(storage):
-    return run_job("tp2d", *STEPS, "run_name=full", storage=storage)
+    return run_job("tp2d", *STEPS, "run_name=full", "profile_steps=3-5", storage=storage)
 
 
 def test_tp2d_smoke_trains_on_a_2x2_mesh(uninterrupted):
@@ -48,6 +49,24 @@ def test_tp2d_smoke_trains_on_a_2x2_mesh(uninterrupted):
         ".metadata",
         *(f"__{r}_0.distcp" for r in range(4)),
     ]
+
+
+def test_tp2d_traces_the_named_ranges_on_all_four_ranks(uninterrupted):
+    run_dir = Path(ok(uninterrupted)["run_dir"])
+    for rank in range(4):
+        counts = assert_trace_has_step_ranges(run_dir / "profile" / f"rank{rank}.json", range(3, 6))
+        # Each rank reads half a micro-batch and all-gathers the other half from its TP peer.
+        assert counts["gloo:all_gather"] >= 3
+
+
+def test_planner_predicts_the_measured_model_state_bytes(uninterrupted):
+    """TP halves the matrices, SequenceParallel keeps the norms whole on both TP ranks, then
+    FSDP halves everything over dp: the planner's TP x FSDP layout, byte for byte."""
+    from shared.planner import from_preset, model_state_per_rank
+
+    model = from_preset("llama-tiny", vocab=512, seq_len=64)  # the smoke tokenizer's vocabulary
+    planned = model_state_per_rank(model, "tp_fsdp", gpus=4, tp=2)
+    assert planned == ok(uninterrupted)["model_state_bytes_per_rank"]
 
 
 def test_tp2d_resumes_from_its_dcp_checkpoint_on_the_same_trajectory(uninterrupted, storage):

@@ -30,8 +30,15 @@ from ray.train.torch import TorchTrainer
 
 from shared.cluster import topology
 from shared.config import BaseConfig, ConfigError, parse_args, setting
-from shared.launch import job_run, quiet_train_worker_logs, run_config, scaling_config
+from shared.launch import (
+    job_run,
+    quiet_train_worker_logs,
+    run_config,
+    scaling_config,
+    torch_config,
+)
 from shared.precision import precision_support, supports_bf16
+from shared.stack import register_process
 from shared.storage import write_json_atomic
 
 
@@ -140,6 +147,7 @@ def matmul_tflops(device: torch.device, n: int, iters: int) -> dict:
 def train_loop_per_worker(config: dict) -> None:
     cfg: EnvCheckConfig = config["cfg"]
     quiet_train_worker_logs()
+    register_process(cfg.run_dir, f"rank{ray.train.get_context().get_world_rank()}")
     device = ray.train.torch.get_device()
     report = {
         **software_and_precision(device),
@@ -206,6 +214,8 @@ def main() -> None:
             train_loop_config={"cfg": cfg},
             scaling_config=scaling_config(cfg),
             run_config=run_config(cfg),
+            # A hung all-reduce (a dead peer, a blocked network) fails instead of waiting.
+            torch_config=torch_config(cfg),
         )
         run.result = trainer.fit()
         if run.result.error:

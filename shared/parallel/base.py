@@ -4,6 +4,11 @@ The loop owns the schedule (epochs, accumulation, logging, when to checkpoint); 
 owns what differs between DDP, FSDP2, DeepSpeed and TP: how a micro-batch's forward/backward
 runs, how the optimizer steps, what a checkpoint contains, and how much model state each
 rank holds.
+
+Each strategy also marks its phases as named trace ranges (shared/profiling.py) - forward,
+backward, gradient_sync (wherever its gradient collective is issued) and optimizer_step - so
+a profile of any strategy reads the same way. A new strategy that overrides
+``forward_backward`` or ``optimizer_step`` keeps those ranges.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from torch import nn
 
 from shared import optim
 from shared.precision import autocast
+from shared.profiling import BACKWARD, FORWARD, OPTIMIZER_STEP, trace_range
 
 
 class Strategy:
@@ -46,8 +52,10 @@ class Strategy:
     def forward_backward(self, input_ids: torch.Tensor, sync: bool) -> torch.Tensor:
         """Accumulate this micro-batch's gradients; return its (detached) mean loss."""
         with self.gradient_sync(sync):
-            loss = self.loss(input_ids)
-            (loss / self.cfg.grad_accum).backward()
+            with trace_range(FORWARD):
+                loss = self.loss(input_ids)
+            with trace_range(BACKWARD):
+                (loss / self.cfg.grad_accum).backward()
         return loss.detach()
 
     # --- one optimizer step ---------------------------------------------------------------
@@ -57,12 +65,13 @@ class Strategy:
 
     def optimizer_step(self) -> float:
         """Clip, step, advance the LR schedule, clear grads; return the pre-clip grad norm."""
-        grad_norm = self.clip_grad_norm()
-        self.optimizer.step()
-        if self.measured_state_bytes is None:
-            self.measured_state_bytes = self.model_state_bytes()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with trace_range(OPTIMIZER_STEP):
+            grad_norm = self.clip_grad_norm()
+            self.optimizer.step()
+            if self.measured_state_bytes is None:
+                self.measured_state_bytes = self.model_state_bytes()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
     def current_lr(self) -> float:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from shared import checkpoint
 from shared.models import unwrap
 from shared.parallel.base import Strategy
+from shared.profiling import GRADIENT_SYNC, trace_range
 
 
 def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
@@ -27,10 +29,27 @@ def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
     )
 
 
+def allreduce_in_named_range(process_group, bucket):
+    """DDP's own all-reduce (average) of one gradient bucket, marked ``gradient_sync``.
+
+    DDP launches a bucket's all-reduce from inside the backward pass as soon as the bucket's
+    gradients are ready, so in a trace these ranges sit inside ``backward``: that is the
+    overlap of communication with the rest of the backward. The range covers the launch;
+    the collective itself runs asynchronously (``gloo:all_reduce`` / NCCL kernels)."""
+    with trace_range(GRADIENT_SYNC):
+        return allreduce_hook(process_group, bucket)
+
+
 class DDPStrategy(Strategy):
     """Replicated model; rank 0 saves the one copy of the state that every rank shares."""
 
     name = "ddp"
+
+    def __init__(self, model: nn.Module, cfg, device: torch.device, dtype: torch.dtype):
+        super().__init__(model, cfg, device, dtype)
+        if isinstance(model, DistributedDataParallel):
+            # state=None: the default process group (the one Ray Train or torchrun made).
+            model.register_comm_hook(None, allreduce_in_named_range)
 
     def gradient_sync(self, sync: bool):
         # Skipping the all-reduce on all but the last micro-batch of an accumulation window

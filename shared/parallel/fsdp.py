@@ -18,14 +18,17 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
+    FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
 )
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 from torch.distributed.tensor import DTensor
 
 from shared.models import transformer_blocks
 from shared.parallel.base import Strategy
+from shared.profiling import GRADIENT_SYNC, trace_range
 
 DCP_DIR = "dcp"  # sharded model + optimizer; every rank writes its own files
 SCHEDULER_FILE = "scheduler.pt"
@@ -79,10 +82,33 @@ def apply_fsdp(
     return model
 
 
+class ReduceScatterInNamedRange(DefaultReduceScatter):
+    """FSDP2's default gradient reduce-scatter, marked ``gradient_sync`` in traces.
+
+    FSDP2 reduce-scatters each unit's gradients from its post-backward hook, so these ranges
+    sit inside ``backward``, one per FSDP unit (FSDP's own ``FSDP::post_backward_reduce``
+    ranges are around them). Subclassing the default keeps FSDP's checks and its buffers."""
+
+    def __call__(self, *args, **kwargs):
+        with trace_range(GRADIENT_SYNC):
+            return super().__call__(*args, **kwargs)
+
+
+def name_gradient_sync(model: nn.Module) -> None:
+    """Use :class:`ReduceScatterInNamedRange` in every ``fully_shard`` unit of ``model``."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_reduce_scatter(ReduceScatterInNamedRange())
+
+
 class FSDPStrategy(Strategy):
     """Sharded model/optimizer; checkpoints are DCP shards written by every rank."""
 
     name = "fsdp2"
+
+    def __init__(self, model: nn.Module, cfg, device: torch.device, dtype: torch.dtype):
+        super().__init__(model, cfg, device, dtype)
+        name_gradient_sync(model)
 
     def loss(self, input_ids: torch.Tensor) -> torch.Tensor:
         # No autocast: the MixedPrecisionPolicy already casts the gathered parameters.

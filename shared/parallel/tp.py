@@ -36,6 +36,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from shared.parallel.fsdp import FSDPStrategy
+from shared.profiling import BACKWARD, FORWARD, HOST_TO_DEVICE, trace_range
 
 
 def device_mesh_2d(device: torch.device, dp: int, tp: int) -> DeviceMesh:
@@ -95,11 +96,13 @@ class TP2DStrategy(FSDPStrategy):
         with self.gradient_sync(sync), loss_parallel():
             # loss_parallel computes cross-entropy on vocab-sharded logits without gathering
             # them; its backward must run inside the same context.
-            logits = self.model(input_ids)
-            loss = torch.nn.functional.cross_entropy(
-                logits.flatten(0, 1), next_token_targets(input_ids).flatten()
-            )
-            (loss / self.cfg.grad_accum).backward()
+            with trace_range(FORWARD):
+                logits = self.model(input_ids)
+                loss = torch.nn.functional.cross_entropy(
+                    logits.flatten(0, 1), next_token_targets(input_ids).flatten()
+                )
+            with trace_range(BACKWARD):
+                (loss / self.cfg.grad_accum).backward()
         loss = loss.detach()
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
@@ -117,6 +120,8 @@ def gather_tp_batches(
     """
     group = tp_mesh.get_group()
     for local in batches:
+        with trace_range(HOST_TO_DEVICE):  # NCCL gathers device tensors: copy before, not after
+            local = local.to(tp_mesh.device_type, non_blocking=True)
         parts = [torch.empty_like(local) for _ in range(tp_mesh.size())]
         dist.all_gather(parts, local.contiguous(), group=group)
         yield torch.cat(parts)

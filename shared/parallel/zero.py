@@ -23,6 +23,7 @@ from torch import nn
 from shared import optim
 from shared.metrics import tensor_bytes
 from shared.parallel.base import Strategy
+from shared.profiling import BACKWARD, FORWARD, GRADIENT_SYNC, OPTIMIZER_STEP, in_range, trace_range
 
 ENGINE_TAG = "engine"  # DeepSpeed's sub-directory inside our checkpoint directory
 
@@ -96,6 +97,10 @@ class ZeroStrategy(Strategy):
         )
         self.measured_state_bytes = None
         self._peak_grad_bytes = 0
+        # The engine reduces gradients in allreduce_gradients() at the end of each backward
+        # (stage 1: at the accumulation boundary; stages 2/3: what their backward hooks have
+        # not reduced yet). Wrapping the instance's method marks it in traces.
+        self.model.allreduce_gradients = in_range(GRADIENT_SYNC, self.model.allreduce_gradients)
 
     def loss(self, input_ids: torch.Tensor) -> torch.Tensor:
         # The engine holds the parameters in the configured dtype; no autocast needed.
@@ -104,11 +109,16 @@ class ZeroStrategy(Strategy):
     def forward_backward(self, input_ids: torch.Tensor, sync: bool) -> torch.Tensor:
         # DeepSpeed counts micro-batches itself: backward scales by 1/grad_accum and step()
         # only updates at the accumulation boundary, which matches the loop's `sync`.
-        loss = self.loss(input_ids)
-        self.model.backward(loss)
+        with trace_range(FORWARD):
+            loss = self.loss(input_ids)
+        with trace_range(BACKWARD):
+            self.model.backward(loss)
         if self.measured_state_bytes is None:  # gradients exist only between backward and step
             self._peak_grad_bytes = max(self._peak_grad_bytes, _held_grad_bytes(self))
-        self.model.step()
+        # The engine's step: at the accumulation boundary clip + update (+ ZeRO's all-gather of
+        # the updated partitions); otherwise only counts the micro-batch.
+        with trace_range(OPTIMIZER_STEP):
+            self.model.step()
         return loss.detach()
 
     def optimizer_step(self) -> float:

@@ -1,0 +1,188 @@
+"""Offline validation of everything Anyscale reads: job.yaml, compute configs, workspace.yaml,
+Containerfiles - through the anyscale SDK's own models, plus the checks the SDK leaves to the
+server (paths relative to the repo root, one image source, compute configs that fit)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+import yaml
+from anyscale.compute_config.models import ComputeConfig, compute_config_type_from_yaml
+from anyscale.job.models import JobConfig
+from anyscale.workspace.models import WorkspaceConfig
+from conftest import REPO
+from test_pins import pyproject_pins
+
+from ci import images, jobspec
+
+JOBS = jobspec.job_names()
+CATALOGUE = {p.stem: p for p in (REPO / "compute_configs").glob("*.yaml")}
+REQUIRED_EXCLUDES = {".git", ".venv", "runs", "tests"}
+
+
+def test_every_job_folder_is_complete():
+    assert set(JOBS) == {"ddp", "env_check", "fault_tolerance", "fsdp", "tp2d", "zero"}
+    for job in JOBS:
+        for name in ("main.py", "job.yaml", "Containerfile", "README.md"):
+            assert (REPO / "jobs" / job / name).is_file(), f"jobs/{job}/{name}"
+
+
+# ------------------------------------------------------------------------------------------
+# job.yaml
+
+
+@pytest.fixture(scope="module", params=JOBS)
+def spec(request):
+    return jobspec.load(request.param)
+
+
+@pytest.fixture(scope="module")
+def full_settings(spec):
+    """The job's resolved full-profile settings (one `main.py --print-config` per job)."""
+    return spec.settings()
+
+
+def test_job_yaml_is_a_valid_anyscale_job_config(spec):
+    assert isinstance(spec.config, JobConfig)
+    assert spec.config.name == spec.job.replace("_", "-")
+    # The SDK accepts both and lets the server pick; one image source is the only sane input.
+    assert spec.config.containerfile and not spec.config.image_uri
+
+
+def test_job_yaml_paths_resolve_from_the_repo_root(spec):
+    cfg = spec.config
+    assert cfg.containerfile == f"jobs/{spec.job}/Containerfile"
+    assert (REPO / cfg.containerfile).is_file()
+    assert cfg.working_dir == "." and (REPO / cfg.working_dir).is_dir()
+    for path in [*(cfg.py_modules or []), *([cfg.requirements] if cfg.requirements else [])]:
+        assert (REPO / path).exists(), path
+    assert set(cfg.excludes) >= REQUIRED_EXCLUDES
+    # The shipped code must still contain the job and the library.
+    assert not {"jobs", "shared"} & set(cfg.excludes)
+
+
+def test_job_yaml_sets_retries_timeout_and_string_env_vars_deliberately(spec):
+    assert "max_retries" in spec.raw and "timeout_s" in spec.raw  # not the SDK's silent default
+    assert 0 <= spec.config.max_retries <= 3
+    assert 600 <= spec.config.timeout_s <= 24 * 3600
+    assert all(isinstance(v, str) for v in spec.raw["env_vars"].values())
+    assert spec.config.env_vars["RAY_TRAIN_V2_ENABLED"] == "1"
+
+
+def test_job_yaml_runs_the_full_profile_of_its_own_job(spec, full_settings):
+    argv = shlex.split(spec.config.entrypoint)
+    assert argv[:2] == ["python", f"jobs/{spec.job}/main.py"]
+    assert spec.profile == "full"
+    # The job's own parser accepted every setting.
+    assert full_settings["job"] == spec.job and full_settings["profile"] == "full"
+
+
+def test_inline_compute_config_mirrors_its_catalogue_entry(spec):
+    assert isinstance(spec.raw["compute_config"], dict), "a file path would be taken as a name"
+    name = spec.compute_config_name
+    assert name in CATALOGUE, f"tag {jobspec.COMPUTE_CONFIG_TAG}={name} names no catalogue file"
+    assert spec.config.compute_config == compute_config_type_from_yaml(str(CATALOGUE[name]))
+
+
+def test_full_profile_fits_the_compute_config(spec, full_settings):
+    settings = full_settings
+    groups = spec.config.compute_config.worker_nodes
+    capacity = [(jobspec.node_capacity(g.instance_type), g.max_nodes) for g in groups]
+    if settings["use_gpu"]:
+        gpus_per_node = max(gpus for (_, gpus, _), _ in capacity)
+        total_gpus = sum(gpus * nodes for (_, gpus, _), nodes in capacity)
+        assert settings["num_workers"] <= total_gpus
+        vcpus = min(cpus for (cpus, gpus, _), _ in capacity if gpus)
+        assert settings["cpus_per_worker"] * gpus_per_node <= vcpus  # workers on a full node
+        # TP talks in every layer: a TP group must fit in one node.
+        assert settings.get("tp", 1) <= gpus_per_node
+    else:
+        total_cpus = sum(cpus * nodes for (cpus, _, _), nodes in capacity)
+        assert settings["num_workers"] * settings["cpus_per_worker"] < total_cpus
+
+
+def test_an_entrypoint_with_a_bad_setting_is_refused_with_the_jobs_own_message(spec):
+    broken = jobspec.JobSpec(spec.job, spec.path, spec.config, spec.raw)
+    with pytest.raises(jobspec.JobSpecError, match="num_workers must be >= 1"):
+        broken.settings(overrides=["num_workers=0"])
+
+
+def test_entrypoint_overrides_replace_job_yaml_settings(spec):
+    argv = spec.entrypoint("smoke", ["storage_path=/x", "run_name=r"])
+    assert argv[argv.index("--profile") + 1] == "smoke"
+    assert [a for a in argv if a.startswith("storage_path=")] == ["storage_path=/x"]
+    assert argv[-1] == "run_name=r"
+
+
+# ------------------------------------------------------------------------------------------
+# compute configs and workspace
+
+
+@pytest.mark.parametrize("name", sorted(CATALOGUE))
+def test_compute_config_is_valid_and_its_head_runs_no_training(name):
+    config = compute_config_type_from_yaml(str(CATALOGUE[name]))
+    assert isinstance(config, ComputeConfig)
+    assert config.head_node.resources == {"CPU": 0}
+    jobspec.node_capacity(config.head_node.instance_type)
+    for group in config.worker_nodes:
+        assert group.max_nodes >= group.min_nodes >= 0
+        jobspec.node_capacity(group.instance_type)  # a type whose size the checks know
+
+
+def test_the_catalogue_covers_smoke_to_8xh100():
+    assert {"cpu-smoke", "1xT4", "4xT4", "2x4xL4", "8xH100"} <= set(CATALOGUE)
+    for name, path in CATALOGUE.items():
+        match = re.fullmatch(r"(?:(\d+)x)?(\d+)x(T4|L4|H100)", name)
+        if match:  # the name says how many GPUs; the instance types must agree
+            nodes, per_node, model = int(match[1] or 1), int(match[2]), match[3]
+            (group,) = compute_config_type_from_yaml(str(path)).worker_nodes
+            assert group.max_nodes == nodes
+            assert jobspec.node_capacity(group.instance_type)[1:] == (per_node, model)
+
+
+def test_workspace_yaml_is_valid_and_mirrors_its_compute_config():
+    raw = yaml.safe_load((REPO / "workspace.yaml").read_text())
+    config = WorkspaceConfig.from_yaml(str(REPO / "workspace.yaml"))
+    assert (REPO / config.containerfile).is_file() and not config.image_uri
+    name = raw["tags"][jobspec.COMPUTE_CONFIG_TAG]
+    assert config.compute_config == compute_config_type_from_yaml(str(CATALOGUE[name]))
+
+
+def test_submit_without_credentials_says_how_to_log_in(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "ANYSCALE_CLI_TOKEN"}
+    env["HOME"] = str(tmp_path)  # no ~/.anyscale/credentials.json
+    proc = subprocess.run(
+        [sys.executable, "-m", "ci.anyscale_cli", "submit", "--job", "zero"],
+        cwd=REPO, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert "anyscale login" in line and "ANYSCALE_CLI_TOKEN" in line
+
+
+# ------------------------------------------------------------------------------------------
+# images
+
+
+def test_containerfiles_are_up_to_date_with_images():
+    for path, text in images.expected_files().items():
+        assert path.read_text() == text, f"{path.relative_to(REPO)}: run `make containerfiles`"
+
+
+@pytest.mark.parametrize("job", JOBS)
+def test_containerfile_uses_the_pinned_ray_image_and_exact_pins(job):
+    text = (REPO / "jobs" / job / "Containerfile").read_text()
+    pins = pyproject_pins()
+    (base,) = re.findall(r"^FROM (\S+)$", text, flags=re.M)
+    assert re.fullmatch(rf"anyscale/ray:{re.escape(pins['ray'])}-py311-cu12\d", base)
+    installed = dict(re.findall(r"^\s+([A-Za-z0-9_.\-]+)==(\S+?)(?: \\)?$", text, flags=re.M))
+    runtime = {n: v for n, v in pins.items() if n != "ray" and n in installed}
+    assert installed == runtime and "torch" in installed and "deepspeed" in installed
+    assert set(installed) == {p.split("==")[0] for p in images.pinned_requirements()}
+    # Anyscale builds without a build context.
+    assert not re.search(r"^\s*(COPY|ADD)\b", text, flags=re.M | re.I)

@@ -1,0 +1,336 @@
+"""shared.planner: published worked examples, the model inventory, the CLI contract, and the
+planner against the bytes the real strategies hold (3 gloo ranks, so the padding shows).
+
+The e2e files check the same equality on the smoke runs themselves:
+tests/test_e2e_sharded.py (ddp, fsdp, zero 1/2/3, offload) and tests/test_e2e_tp2d.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from shared import planner
+from shared.planner import (
+    PRECISIONS,
+    Settings,
+    estimate_all,
+    from_preset,
+    layer_activation_bytes,
+    zero_paper_bytes_per_gpu,
+)
+
+GB = 1e9  # the ZeRO paper's GB
+
+
+# ------------------------------------------------------------------------------------------
+# Rajbhandari et al. 2020 (ZeRO), table 1: per-device model-state memory, mixed-precision
+# Adam (K = 12), for the 7.5B, 128B and 1T models. Printed to 3 significant digits.
+
+
+@pytest.mark.parametrize(
+    "psi, n_d, printed",
+    [
+        # The worked example of section 5.4 / figure 1: 7.5B parameters on 64 GPUs.
+        (7.5e9, 64, (120, 31.4, 16.6, 1.88)),
+        (7.5e9, 1, (120, 120, 120, 120)),
+        (7.5e9, 4, (120, 52.5, 41.3, 30)),
+        (7.5e9, 16, (120, 35.6, 21.6, 7.5)),
+        (128e9, 64, (2048, 536, 284, 32)),
+        (1e12, 16, (16000, 4750, 2875, 1000)),
+    ],
+)
+def test_zero_paper_table_1(psi, n_d, printed):
+    for stage, expected in enumerate(printed):
+        got = zero_paper_bytes_per_gpu(psi, n_d, stage) / GB
+        digits = len(str(expected).replace(".", "").lstrip("0"))  # what the paper printed
+        assert got == pytest.approx(expected, rel=0.5 * 10 ** (1 - max(digits, 3))), stage
+
+
+def test_zero_paper_gpt2_1_5b_needs_24_gb_of_model_states():
+    """Section 3.1: 'a model with 1.5 Billion parameters ... at least 24 GB'."""
+    assert zero_paper_bytes_per_gpu(1.5e9, 1, 0) == 24 * GB
+
+
+@pytest.mark.parametrize("preset, n_d", [("gpt2-xl", 64), ("llama-7b", 8), ("llama-70b", 512)])
+def test_per_tensor_layout_agrees_with_the_paper_arithmetic(preset, n_d):
+    """The planner lays out every tensor as the frameworks do; in bf16 its ZeRO numbers differ
+    from 16 * Psi / N_d only by padding and the step counters (< 1e-4 here)."""
+    model = from_preset(preset)
+    rows = estimate_all(model, Settings(gpus=n_d, precision=PRECISIONS["bf16"]))
+    by_key = {r.key: r for r in rows}
+    for key, stage in (("ddp", 0), ("zero1", 1), ("zero2", 2), ("zero3", 3), ("fsdp2", 3)):
+        state = sum(by_key[key].state.values())
+        paper = zero_paper_bytes_per_gpu(model.n_params, n_d, stage)
+        assert state == pytest.approx(paper, rel=1e-4), key
+
+
+# ------------------------------------------------------------------------------------------
+# Korthikanti et al. 2022: table 2's per-layer formulas and the paper's own numbers.
+
+# Table 3 of the paper: (heads, hidden, layers) at s = 2048, t = 8.
+PAPER_MODELS = {"22B": (64, 6144), "175B": (96, 12288), "530B": (128, 20480), "1T": (160, 25600)}
+
+
+def test_korthikanti_table_2_formulas():
+    s, b, t = 2048, 1, 8
+    a, h = PAPER_MODELS["175B"]
+    sbh, x = s * b * h, 5 * a * s / h
+
+    def layer(**kw):
+        return layer_activation_bytes(s, b, h, a, **kw)
+
+    assert layer() == pytest.approx(sbh * (34 + x))
+    assert layer(t=t) == pytest.approx(sbh * (10 + 24 / t + x / t))
+    assert layer(t=t, sp=True) == pytest.approx(sbh * (34 / t + x / t))
+    assert layer(t=t, recompute="selective") == pytest.approx(sbh * (10 + 24 / t))
+    assert layer(t=t, sp=True, recompute="selective") == pytest.approx(sbh * 34 / t)
+    assert layer(recompute="full") == pytest.approx(sbh * 2)
+    # Tensor parallelism of size 1 is no parallelism: 10 + 24 = 34.
+    assert layer(t=1) == pytest.approx(layer())
+
+
+def test_korthikanti_selective_recompute_saves_70_percent_for_gpt3_and_65_for_mt_nlg():
+    """Section 5: 5as/h = 80 for GPT-3 175B, so dropping it saves 80 / 114 = 70%; 65% for
+    MT-NLG 530B."""
+    for name, saving in (("175B", 0.70), ("530B", 0.65)):
+        a, h = PAPER_MODELS[name]
+        full = layer_activation_bytes(2048, 1, h, a)
+        selective = layer_activation_bytes(2048, 1, h, a, recompute="selective")
+        assert 1 - selective / full == pytest.approx(saving, abs=0.005), name
+    a, h = PAPER_MODELS["175B"]
+    assert 5 * a * 2048 / h == 80
+
+
+def test_korthikanti_sequence_parallel_plus_selective_is_5x_below_tensor_parallel():
+    """The abstract: together they reduce activation memory by 5x (per layer, t = 8)."""
+    for name, (a, h) in PAPER_MODELS.items():
+        baseline = layer_activation_bytes(2048, 1, h, a, t=8)
+        both = layer_activation_bytes(2048, 1, h, a, t=8, sp=True, recompute="selective")
+        assert 4.9 < baseline / both < 6.3, name
+
+
+# ------------------------------------------------------------------------------------------
+# the model inventory is the real models' parameter list
+
+
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "gpt2", "gpt2-xl", "llama-tiny", "llama-500m"])
+def test_inventory_matches_the_models_the_jobs_build(preset):
+    from shared.llama import LLAMA_PRESETS, build_llama
+    from shared.models import build_gpt2
+
+    with torch.device("meta"):  # shapes only: even gpt2-xl builds instantly
+        if preset in LLAMA_PRESETS:
+            model = build_llama(preset, 50257)
+        else:
+            model = build_gpt2(preset, 50257, 1024)
+    real = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    assert [(t.name, t.shape) for t in from_preset(preset, seq_len=1024).tensors] == real
+
+
+def test_gpt2_124m_has_124m_parameters():
+    assert from_preset("gpt2").n_params == 124_439_808
+
+
+def test_hf_config_json_sizes_the_model_transformers_builds(tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig
+
+    for config in (
+        LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=3,
+                    num_attention_heads=8, num_key_value_heads=2, vocab_size=1000),
+        MixtralConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=500,
+                      num_local_experts=4),
+    ):  # fmt: skip
+        path = tmp_path / type(config).__name__ / "config.json"
+        path.parent.mkdir()
+        path.write_text(config.to_json_string())
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        expected = sum(p.numel() for p in model.parameters())
+        assert planner.from_hf_config(str(path)).n_params == expected, type(config).__name__
+
+
+# ------------------------------------------------------------------------------------------
+# the command line
+
+ACCEPTANCE = ["--preset", "gpt2-xl", "--gpus", "8", "--gpu-mem", "16GiB"]
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    """What `make plan ARGS="..."` runs."""
+    return subprocess.run(
+        [sys.executable, "-m", "shared.planner", *args], capture_output=True, text=True,
+        timeout=60, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )  # fmt: skip
+
+
+def run_main(capsys, *args: str) -> tuple[int, str, str]:
+    try:
+        code = planner.main(args)
+    except SystemExit as exit_:  # argparse's own errors
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_acceptance_command_prints_the_table_and_a_recommendation():
+    result = cli(*ACCEPTANCE)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for name in ("DDP", "ZeRO-1", "ZeRO-2", "FSDP2", "ZeRO-3", "ZeRO-3 + CPU offload", "TP + SP",
+                 "TP x DP (FSDP on dp)"):  # fmt: skip
+        assert f"\n{name} " in out, name
+    assert "params" in out and "activations" in out and "fits" in out
+    # 16 bytes/param x 1.56B = 23 GiB of model states: DDP cannot fit 16 GiB; ZeRO can.
+    recommended = next(line for line in out.splitlines() if line.startswith("recommended: "))
+    assert recommended.startswith("recommended: ZeRO-1 - ")
+    assert "optimizer/gradient-bound" in recommended and "--recompute full" in recommended
+
+
+def test_json_gives_the_same_numbers_as_the_table(capsys):
+    code, table, _ = run_main(capsys, *ACCEPTANCE, "--tp", "1")
+    assert code == 0
+    code, text, _ = run_main(capsys, *ACCEPTANCE, "--tp", "1", "--json")
+    assert code == 0
+    plan = json.loads(text)
+    lines = {line.split("  ")[0]: line for line in table.splitlines()}
+    for row in plan["strategies"]:
+        line = lines[row["name"]]
+        if not row["applicable"]:
+            assert line.rstrip().endswith("n/a")
+            continue
+        cells = [planner.format_size(row["bytes_per_gpu"][c]) for c in planner.COLUMNS]
+        assert " ".join(line.split()).count(" ".join(cells)) == 1, row["name"]
+        assert line.rstrip().endswith("yes" if row["fits"] else "no")
+    assert f"recommended: ZeRO-1 - {plan['recommendation']['reason']}" in table
+
+
+def test_smoke_sized_plan_recommends_ddp(capsys):
+    args = "--preset gpt2-tiny --vocab 512 --seq-len 64 --gpus 2 --gpu-mem 1GiB --precision fp32"
+    code, out, _ = run_main(capsys, *args.split())
+    assert code == 0 and "recommended: DDP - everything fits" in out
+
+
+def test_a_layer_too_wide_recommends_tensor_parallelism(capsys):
+    args = "--preset llama-70b --gpus 16 --gpu-mem 80GiB --micro-batch 1 --recompute full"
+    code, text, _ = run_main(capsys, *args.split(), "--json")
+    assert code == 0
+    rec = json.loads(text)["recommendation"]
+    assert rec["strategy"] == "tp_fsdp" and "a layer is too wide" in rec["reason"]
+
+
+def test_moe_and_long_sequences_are_advised(capsys, tmp_path):
+    from transformers import MixtralConfig
+
+    path = tmp_path / "config.json"
+    path.write_text(MixtralConfig(num_local_experts=8).to_json_string())
+    code, text, _ = run_main(capsys, "--config", str(path), "--seq-len", "65536", "--json")
+    assert code == 0
+    advice = " ".join(json.loads(text)["recommendation"]["advice"])
+    assert "expert parallelism (EP)" in advice and "context parallelism" in advice
+
+
+def test_params_only_input_uses_the_zero_arithmetic(capsys):
+    args = "--params 7.5e9 --layers 32 --hidden 4096 --heads 32 --vocab 50000 --gpus 64"
+    code, text, _ = run_main(capsys, *args.split(), "--gpus-per-node", "8", "--json")
+    assert code == 0
+    rows = {r["key"]: r for r in json.loads(text)["strategies"]}
+    state = sum(rows["zero1"]["model_state_bytes_per_rank"].values())
+    assert state == pytest.approx(31.4 * GB, rel=2e-3)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--preset", "gpt2", "--gpus", "0"], "error: --gpus must be >= 1 (got 0)."),
+        (["--preset", "gpt2", "--tp", "5"],
+         "error: --tp (5) must divide the 12 attention heads of gpt2."),
+        (["--preset", "gpt2-huge"], "error: unknown preset 'gpt2-huge'; valid presets: "),
+        (["--preset", "gpt2", "--gpus", "6", "--tp", "4"],
+         "error: --gpus (6) must be divisible by --tp (4)."),
+        (["--preset", "gpt2", "--gpu-mem", "lots"], "error: cannot parse --gpu-mem 'lots'"),
+        (["--preset", "gpt2", "--gpu-mem", "16XB"], "error: cannot parse --gpu-mem '16XB'"),
+        (["--params", "1e9"], "error: --params needs --layers, --hidden, --heads, --vocab"),
+        (["--preset", "gpt2", "--gpus", "many"], "error: argument --gpus: invalid int value"),
+        (["--gpus", "8"], "error: one of the arguments --preset --config --params is required"),
+    ],
+)  # fmt: skip
+def test_bad_input_gives_one_line_and_exit_2(capsys, args, message):
+    code, out, err = run_main(capsys, *args)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith(message), err
+
+
+def test_bad_input_from_the_real_command_line():
+    result = cli("--preset", "gpt2", "--gpus", "0")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == "error: --gpus must be >= 1 (got 0).\n"
+
+
+@pytest.mark.parametrize(
+    "text, size",
+    [("16GiB", 16 * 1024**3), ("80GB", 80 * 10**9), ("80 GB", 80 * 10**9),
+     ("17179869184", 17179869184), ("1.5e9", 1_500_000_000), ("512MiB", 512 * 1024**2)],
+)  # fmt: skip
+def test_memory_sizes_parse(text, size):
+    assert planner.parse_size(text, "--gpu-mem") == size
+
+
+# ------------------------------------------------------------------------------------------
+# planner == measured, in-process on 3 gloo ranks (3 does not divide gpt2-tiny's 64-wide
+# tensors, so FSDP2's dim-0 padding and DeepSpeed's 2 x N alignment both show)
+
+WORLD, VOCAB, SEQ = 3, 512, 64
+
+
+def _measure_worker(rank: int, init_file: str, out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      DS_ACCELERATOR="cpu")  # fmt: skip
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        from shared.config import FSDPConfig, ZeroConfig
+        from shared.launch import seed_everything
+        from shared.models import build_gpt2
+        from shared.parallel.fsdp import FSDPStrategy, apply_fsdp, data_parallel_mesh
+        from shared.parallel.zero import ZeroStrategy
+
+        device, measured = torch.device("cpu"), {}
+        batch = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(rank))
+        for name in ("fsdp2", "zero1", "zero2", "zero3"):
+            seed_everything(0)
+            model = build_gpt2("gpt2-tiny", VOCAB, SEQ, eos_token_id=0)
+            common = dict(model="gpt2-tiny", seq_len=SEQ, grad_accum=2, num_workers=WORLD)
+            if name == "fsdp2":
+                cfg = FSDPConfig(**common)
+                model = apply_fsdp(model, data_parallel_mesh(device))
+                strategy = FSDPStrategy(model, cfg, device, torch.float32)
+            else:
+                cfg = ZeroConfig(**common, zero_stage=int(name[-1]))
+                strategy = ZeroStrategy(model, cfg, device, torch.float32)
+            for micro in range(cfg.grad_accum):  # one accumulation window, as the smoke runs
+                strategy.forward_backward(batch, sync=micro == cfg.grad_accum - 1)
+            strategy.optimizer_step()
+            measured[name] = strategy.measured_state_bytes
+        if rank == 0:
+            with open(os.path.join(out_dir, "measured.json"), "w") as f:
+                json.dump(measured, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_planner_equals_measured_state_bytes_on_three_gloo_ranks(tmp_path):
+    mp.spawn(_measure_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD)
+    measured = json.loads((tmp_path / "measured.json").read_text())
+    model = from_preset("gpt2-tiny", vocab=VOCAB, seq_len=SEQ)
+    for name, state in measured.items():
+        assert planner.model_state_per_rank(model, name, WORLD) == state, name
+    # The padding is really there: 3 does not divide the state evenly.
+    assert measured["fsdp2"]["params"] > 4 * model.n_params / WORLD
