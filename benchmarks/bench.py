@@ -109,8 +109,13 @@ class Bench:
         if self.ray_tmpdir:
             env["RAY_TMPDIR"] = self.ray_tmpdir
         start = time.time()
-        proc = subprocess.run(self.command(variant, run_name), cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=600)  # fmt: skip
+        try:
+            proc = subprocess.run(self.command(variant, run_name), cwd=REPO, env=env,
+                                  capture_output=True, text=True, timeout=600)  # fmt: skip
+        except subprocess.TimeoutExpired:
+            self.failures.append(f"{run_name}: no result within 600 s")
+            print(f"  {run_name} TIMED OUT", flush=True)
+            return None
         wall = time.time() - start
         summary = next((json.loads(line[len("SUMMARY "):]) for line in proc.stdout.splitlines()
                         if line.startswith("SUMMARY ")), None)  # fmt: skip

@@ -19,21 +19,20 @@ import json
 import os
 import time
 
-import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 
 from shared.config import TrainConfig, parse_args
-from shared.data import resolve_text_source, tokenize_and_pack, tokenizer_spec
+from shared.data import resolve_text_source, tokenizer_spec
 from shared.launch import seed_everything
 from shared.loop import train
 from shared.models import build_gpt2
 from shared.parallel.ddp import DDPStrategy, apply_ddp
 from shared.profiles import GPT2_AG_NEWS
-from shared.torchrun import TorchrunSession, init_distributed
+from shared.torchrun import TorchrunSession, init_distributed, packed_blocks, rank_batches
 
 
-def packed_blocks(cfg, rank: int, world_size: int) -> tuple[torch.Tensor, dict]:
+def smoke_corpus(cfg, rank: int, world_size: int) -> tuple[torch.Tensor, dict]:
     """The smoke corpus as [N, seq_len] token blocks. Rank 0 generates it (a no-op when a job
     already did, in the same storage path) while the others wait."""
     if rank == 0:
@@ -42,22 +41,8 @@ def packed_blocks(cfg, rank: int, world_size: int) -> tuple[torch.Tensor, dict]:
         dist.barrier()
     if rank != 0:
         source = resolve_text_source(cfg)
-    texts = pq.read_table(source.dataset).column(cfg.text_column).to_numpy()
-    ids = tokenize_and_pack({cfg.text_column: texts}, source.tokenizer, cfg.text_column,
-                            cfg.seq_len)["input_ids"]  # fmt: skip
-    return torch.from_numpy(ids), tokenizer_spec(source.tokenizer)
-
-
-def rank_batches(blocks: torch.Tensor, micro: int, rank: int, world_size: int):
-    """epoch -> this rank's micro-batches: every world-th one, equal counts on every rank."""
-
-    def epoch_batches(epoch: int):
-        usable = len(blocks) // (micro * world_size) * micro * world_size
-        for i, start in enumerate(range(0, usable, micro)):
-            if i % world_size == rank:
-                yield blocks[start : start + micro]
-
-    return epoch_batches
+    blocks = packed_blocks(source.dataset, source.tokenizer, cfg.text_column, cfg.seq_len)
+    return blocks, tokenizer_spec(source.tokenizer)
 
 
 def main() -> None:
@@ -65,7 +50,7 @@ def main() -> None:
     cfg.driver_start_time = float(os.environ.get("BENCH_LAUNCH_TIME", cfg.driver_start_time))
     rank, world_size, device = init_distributed(getattr(cfg, "collective_timeout_s", 1800.0))
     try:
-        blocks, spec = packed_blocks(cfg, rank, world_size)
+        blocks, spec = smoke_corpus(cfg, rank, world_size)
         seed_everything(cfg.seed)  # identical initial weights on every rank, as in a job
         model = build_gpt2(cfg.model, spec["vocab_size"], cfg.seq_len, cfg.pretrained,
                            spec["eos_token_id"])  # fmt: skip

@@ -57,7 +57,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Rewrite the Containerfiles from images/.")
     parser.add_argument("--check", action="store_true", help="only report files out of date")
     args = parser.parse_args()
-    stale = [p for p, text in expected_files().items() if not p.exists() or p.read_text() != text]
+    expected = expected_files()
+    stale = [p for p, text in expected.items() if not p.exists() or p.read_text() != text]
     names = ", ".join(str(p.relative_to(REPO)) for p in stale) or "none"
     if args.check:
         if stale:
@@ -65,7 +66,7 @@ def main() -> None:
         print("Containerfiles are up to date")
         return
     for path in stale:
-        path.write_text(expected_files()[path])
+        path.write_text(expected[path])
     print(f"rewritten: {names}")
 
 

@@ -159,8 +159,10 @@ def render(job: str, profile: str = "smoke", image: str = "") -> list[dict]:
     """The manifests for one job: the code ConfigMap and the RayJob."""
     spec = load(job)
     name = resource_name(job)
-    # A fixed run name: a retry (backoffLimit) of this RayJob resumes its own checkpoints.
-    overrides = [f"storage_path={RUNS_DIR}", f"run_name={name}"]
+    # Fixed in the manifest, so a retry (backoffLimit) of this RayJob resumes its checkpoints;
+    # new per render, so the next `make run-kuberay` trains afresh on the same storage.
+    run_name = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    overrides = [f"storage_path={RUNS_DIR}", f"run_name={run_name}"]
     settings = spec.settings(profile, overrides)
     pod_image = image or STOCK_IMAGE
     configmap, items = code_configmap(job, name)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -82,16 +83,18 @@ def _enable_local_token_auth(token_file: str | None) -> None:
             f.write(os.environ["RAY_AUTH_TOKEN"])
 
 
-def _private_temp_root() -> str:
+def _private_temp_root() -> tuple[str, bool]:
     """A Ray temp root for this local cluster only (every Ray process inherits it).
 
     Ray records "the latest cluster" in ``<temp root>/ray/ray_current_cluster``, and its state
     API - which Ray Train's placement-group cleaner calls - connects to the cluster named
     there. With the shared /tmp, a second cluster on the machine (a test run, another job)
-    takes that slot, and every such call stalls for tens of seconds."""
+    takes that slot, and every such call stalls for tens of seconds. Returns (root, created)."""
     if "RAY_TMPDIR" not in os.environ:
-        os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="ray-")
-    return os.environ["RAY_TMPDIR"]
+        # Under /tmp, not $TMPDIR: Ray's unix socket paths must stay under ~107 characters.
+        os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+        return os.environ["RAY_TMPDIR"], True
+    return os.environ["RAY_TMPDIR"], False
 
 
 @contextlib.contextmanager
@@ -100,13 +103,14 @@ def ray_cluster(cfg, token_file: str | None = None) -> Iterator[ClusterInfo]:
     import ray
 
     address = cfg.ray_address or os.environ.get("RAY_ADDRESS", "")
+    temp_root, created_temp_root = "", False
     quiet = {"log_to_driver": True, "configure_logging": True, "logging_level": "WARNING"}
     if address:
         context = ray.init(address=address, **quiet)
         info = ClusterInfo(address, False, getattr(context, "dashboard_url", None))
     else:
         _enable_local_token_auth(token_file)
-        temp_root = _private_temp_root()
+        temp_root, created_temp_root = _private_temp_root()
         context = ray.init(
             address="local",
             include_dashboard=True,
@@ -115,7 +119,7 @@ def ray_cluster(cfg, token_file: str | None = None) -> Iterator[ClusterInfo]:
             **quiet,
         )
         info = ClusterInfo("local", True, context.dashboard_url)
-        print(f"Ray logs: {temp_root}/ray/session_latest/logs", flush=True)
+        print(f"Ray logs: {temp_root}/ray/session_latest/logs (kept if the run fails)", flush=True)
     _quiet_ray_data()
     if info.dashboard_url:
         url = info.dashboard_url if "://" in info.dashboard_url else f"http://{info.dashboard_url}"
@@ -123,8 +127,14 @@ def ray_cluster(cfg, token_file: str | None = None) -> Iterator[ClusterInfo]:
         print(f"Ray dashboard: {url}{auth}", flush=True)
     try:
         yield info
+    except BaseException:
+        created_temp_root = False  # keep a failed run's Ray logs
+        raise
     finally:
         ray.shutdown()
+        if created_temp_root:
+            shutil.rmtree(temp_root, ignore_errors=True)
+            del os.environ["RAY_TMPDIR"]
 
 
 def _quiet_ray_data() -> None:

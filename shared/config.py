@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 import types
@@ -416,7 +417,8 @@ def build_config(
         cfg.storage_path = os.path.abspath(cfg.storage_path)
     else:  # "$BUCKET_URI/runs" with a URI ending in "/" must not create an empty path segment
         scheme, rest = cfg.storage_path.split("://", 1)
-        cfg.storage_path = f"{scheme}://{'/'.join(part for part in rest.split('/') if part)}"
+        rest = re.sub("/{2,}", "/", rest)  # file:///mnt keeps its one leading "/"
+        cfg.storage_path = f"{scheme}://{rest.rstrip('/') or '/'}"
     return cfg
 
 

@@ -95,6 +95,8 @@ class StepMetrics:
             "grad_norm": grad_norm,
             "step_time_s": step_time,
             "data_wait_s": data_wait,
+            # The share of the step spent waiting for input: high means input-bound.
+            "data_wait_fraction": data_wait / step_time if step_time > 0 else 0.0,
             "tokens_per_s": tokens_per_s,
             "mfu": tokens_per_s * self.flops_per_token / self.peak_flops,
         }
@@ -108,7 +110,7 @@ class StepMetrics:
         steps_left = self.cfg.max_steps - row["step"]
         recent = [r["step_time_s"] for r in self.history[-20:]]
         eta = steps_left * statistics.median(recent)
-        wait = row["data_wait_s"] / row["step_time_s"] if row["step_time_s"] else 0.0
+        wait = row["data_wait_fraction"]
         return (
             f"step {row['step']:>{len(str(self.cfg.max_steps))}}/{self.cfg.max_steps} | "
             f"epoch {row['epoch']} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "

@@ -36,7 +36,7 @@ def _column(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 def save_run_plots(rows: list[dict], path: str, title: str = "") -> str:
     """Loss (top) and tokens/s with the share of step time spent waiting for data (bottom).
 
-    `rows` are metrics.jsonl rows (keys step, loss, tokens_per_s, step_time_s, data_wait_s);
+    `rows` are metrics.jsonl rows (keys step, loss, tokens_per_s, data_wait_fraction);
     missing keys are skipped, so a partial row set still plots.
     """
     fig, (loss_ax, speed_ax) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
@@ -55,11 +55,7 @@ def save_run_plots(rows: list[dict], path: str, title: str = "") -> str:
 
     # Data wait as % of step time on a second axis: a throughput dip that lines up with a
     # wait spike is the input pipeline, not the model (the "GPU sawtooth").
-    waits = [
-        (r["step"], 100 * r["data_wait_s"] / r["step_time_s"])
-        for r in rows
-        if r.get("step_time_s") and isinstance(r.get("data_wait_s"), int | float)
-    ]
+    waits = [(r["step"], 100 * r["data_wait_fraction"]) for r in rows if "data_wait_fraction" in r]
     if waits:
         wait_ax = speed_ax.twinx()
         wait_ax.plot(*zip(*waits, strict=True), color="tab:red", alpha=0.5, label="data wait %")

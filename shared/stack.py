@@ -111,7 +111,10 @@ def dump(record: dict, pyspy: str, native: bool) -> str:
     if not is_running(record):
         return "not running"
     cmd = [pyspy, "dump", "--pid", str(record["pid"])] + (["--native"] if native else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return "py-spy did not finish within 60 s (the process may be stuck in the kernel)"
     if proc.returncode != 0:
         hint = " (no permission to trace it? try with sudo)" if "ermission" in proc.stderr else ""
         return f"py-spy failed{hint}: {proc.stderr.strip() or proc.stdout.strip()}"

@@ -17,8 +17,8 @@ STEP_SCALARS = {
     "mfu": "throughput/mfu",
     "step_time_s": "time/step_time_s",
     "data_wait_s": "time/data_wait_s",
+    "data_wait_fraction": "time/data_wait_fraction",  # data wait / step time: input-bound share
 }
-DATA_WAIT_FRACTION = "time/data_wait_fraction"  # data wait / step time: the input-bound share
 
 
 def tensorboard_dir(run_dir: str) -> str | None:
@@ -40,10 +40,6 @@ class TensorBoardLog:
         for key, tag in STEP_SCALARS.items():
             if isinstance(row.get(key), int | float):
                 self.writer.add_scalar(tag, row[key], step)
-        if row.get("step_time_s"):
-            self.writer.add_scalar(
-                DATA_WAIT_FRACTION, row["data_wait_s"] / row["step_time_s"], step
-            )
         for name, value in memory_bytes.items():
             self.writer.add_scalar(f"memory/{name}_bytes", value, step)
 

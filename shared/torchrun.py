@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from shared.data import skip_consumed
+from shared.data import skip_consumed, tokenize_and_pack
 
 
 def init_distributed(collective_timeout_s: float = 1800.0) -> tuple[int, int, torch.device]:
@@ -37,6 +37,31 @@ def init_distributed(collective_timeout_s: float = 1800.0) -> tuple[int, int, to
             timeout=datetime.timedelta(seconds=collective_timeout_s),
         )
     return rank, world_size, device
+
+
+def packed_blocks(dataset: str, tokenizer, text_column: str, seq_len: int) -> torch.Tensor:
+    """A parquet file tokenised and packed into ``[N, seq_len]`` blocks, in memory: the data
+    path of a Ray-free run (the jobs stream the same blocks through Ray Data)."""
+    import pyarrow.parquet as pq
+
+    texts = pq.read_table(dataset).column(text_column).to_numpy()
+    ids = tokenize_and_pack({text_column: texts}, tokenizer, text_column, seq_len)["input_ids"]
+    return torch.from_numpy(ids)
+
+
+def rank_batches(
+    blocks: torch.Tensor, micro: int, rank: int = 0, world_size: int = 1
+) -> Callable[[int], Iterator[torch.Tensor]]:
+    """``epoch -> this rank's micro-batches``: a fixed order, rank r takes every world-th
+    micro-batch, and every rank gets the same count (DDP needs equal step counts)."""
+
+    def epoch_batches(epoch: int) -> Iterator[torch.Tensor]:
+        usable = len(blocks) // (micro * world_size) * micro * world_size
+        for i, start in enumerate(range(0, usable, micro)):
+            if i % world_size == rank:
+                yield blocks[start : start + micro]
+
+    return epoch_batches
 
 
 class TorchrunSession:

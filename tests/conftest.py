@@ -45,6 +45,17 @@ def run_job(job: str, *overrides: str, storage: Path, timeout: float = 600) -> J
     return JobResult(proc.returncode, proc.stdout, proc.stderr, summary)
 
 
+def tiny_corpus_blocks(directory: str, rows: int, seq_len: int):
+    """(token blocks [N, seq_len], tokenizer spec) of a small generated corpus, for the tests
+    that run the shared loop without Ray."""
+    from shared.data import generate_news_corpus, tokenizer_spec
+    from shared.torchrun import packed_blocks
+
+    source = generate_news_corpus(directory, num_rows=rows, seed=0)
+    blocks = packed_blocks(source.dataset, source.tokenizer, "text", seq_len)
+    return blocks, tokenizer_spec(source.tokenizer)
+
+
 @pytest.fixture(scope="session")
 def ray_local(tmp_path_factory):
     """One real local Ray cluster for the tests that need Ray Data directly."""

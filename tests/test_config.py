@@ -120,9 +120,10 @@ def test_default_run_name_is_the_anyscale_job_id_so_a_retry_resumes(monkeypatch)
 
 def test_a_uri_storage_path_keeps_its_scheme_and_loses_empty_segments():
     # e.g. "$ANYSCALE_ARTIFACT_STORAGE/runs": that URI ends in "/".
-    assert build(storage_path="s3://bucket/org/artifact_storage//runs").storage_path == (
+    assert build(storage_path="s3://bucket/org/artifact_storage//runs/").storage_path == (
         "s3://bucket/org/artifact_storage/runs"
     )
+    assert build(storage_path="file:///mnt//runs/").storage_path == "file:///mnt/runs"
 
 
 def test_not_key_value(capsys):

@@ -5,29 +5,25 @@ from __future__ import annotations
 import os
 import shutil
 
-import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import tiny_corpus_blocks
 
 from shared.config import TrainConfig
-from shared.data import generate_news_corpus, tokenize_and_pack, tokenizer_spec
 from shared.launch import seed_everything
 from shared.loop import train
 from shared.models import build_gpt2, unwrap
 from shared.parallel.ddp import DDPStrategy, apply_ddp
-from shared.torchrun import TorchrunSession
+from shared.torchrun import TorchrunSession, rank_batches
 
 SEQ = 32
 
 
 @pytest.fixture(scope="module")
 def blocks(tmp_path_factory) -> tuple[torch.Tensor, dict]:
-    src = generate_news_corpus(str(tmp_path_factory.mktemp("data")), num_rows=400, seed=0)
-    texts = pq.read_table(src.dataset).column("text").to_numpy()
-    ids = tokenize_and_pack({"text": texts}, src.tokenizer, "text", SEQ)["input_ids"]
-    return torch.from_numpy(ids), tokenizer_spec(src.tokenizer)
+    return tiny_corpus_blocks(str(tmp_path_factory.mktemp("data")), 400, SEQ)
 
 
 def make_cfg(tmp_path, **kw) -> TrainConfig:
@@ -35,18 +31,6 @@ def make_cfg(tmp_path, **kw) -> TrainConfig:
                 warmup_steps=2, checkpoint_every=5, log_every=100, num_workers=1, lr=3e-3,
                 storage_path=str(tmp_path), run_name="t", job="test")  # fmt: skip
     return TrainConfig(**{**base, **kw})
-
-
-def batches_for(data: torch.Tensor, micro: int, rank: int = 0, world: int = 1):
-    """Epoch order is fixed; rank r takes every world-th micro-batch."""
-
-    def epoch_batches(epoch: int):
-        usable = len(data) // (micro * world) * micro * world
-        for i, start in enumerate(range(0, usable, micro)):
-            if i % world == rank:
-                yield data[start : start + micro]
-
-    return epoch_batches
 
 
 def run(cfg, data, spec, root, rank=0, world=1):
@@ -57,7 +41,7 @@ def run(cfg, data, spec, root, rank=0, world=1):
     model = apply_ddp(model, torch.device("cpu"))
     strategy = DDPStrategy(model, cfg, torch.device("cpu"), torch.float32)
     session = TorchrunSession(
-        batches_for(data, cfg.micro_batch_size, rank, world),
+        rank_batches(data, cfg.micro_batch_size, rank, world),
         root,
         cfg.micro_batch_size,
         rank,

@@ -8,15 +8,14 @@ import os
 import socket
 import time
 
-import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import tiny_corpus_blocks
 from observability_checks import assert_trace_has_step_ranges, png_shape, tensorboard_scalars
 
 from shared.config import ConfigError, TrainConfig, build_config
-from shared.data import generate_news_corpus, tokenize_and_pack, tokenizer_spec
 from shared.metrics import read_metrics
 from shared.plots import save_bar_chart, save_run_plots
 from shared.profiling import parse_profile_steps
@@ -61,7 +60,7 @@ def test_collective_timeout_must_be_positive():
 def test_run_plot_is_a_png_of_the_requested_figure(tmp_path):
     rows = [
         {"step": s, "loss": 6 - 0.1 * s, "tokens_per_s": 1000.0 + s, "step_time_s": 0.1,
-         "data_wait_s": 0.01}
+         "data_wait_s": 0.01, "data_wait_fraction": 0.1}
         for s in range(1, 21)
     ]  # fmt: skip
     path = save_run_plots(rows, str(tmp_path / "nested" / "curve.png"), title="ddp t")
@@ -96,10 +95,7 @@ def test_read_metrics_keeps_the_latest_row_of_a_replayed_step(tmp_path):
 
 @pytest.fixture(scope="module")
 def blocks(tmp_path_factory) -> tuple[torch.Tensor, dict]:
-    src = generate_news_corpus(str(tmp_path_factory.mktemp("data")), num_rows=300, seed=0)
-    texts = pq.read_table(src.dataset).column("text").to_numpy()
-    ids = tokenize_and_pack({"text": texts}, src.tokenizer, "text", SEQ)["input_ids"]
-    return torch.from_numpy(ids), tokenizer_spec(src.tokenizer)
+    return tiny_corpus_blocks(str(tmp_path_factory.mktemp("data")), 300, SEQ)
 
 
 def _ddp_rank(rank, world, init_file, cfg, data, spec):
@@ -107,7 +103,7 @@ def _ddp_rank(rank, world, init_file, cfg, data, spec):
     from shared.loop import train
     from shared.models import build_gpt2
     from shared.parallel.ddp import DDPStrategy, apply_ddp
-    from shared.torchrun import TorchrunSession
+    from shared.torchrun import TorchrunSession, rank_batches
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -116,12 +112,8 @@ def _ddp_rank(rank, world, init_file, cfg, data, spec):
         strategy = DDPStrategy(apply_ddp(model, torch.device("cpu")), cfg, torch.device("cpu"),
                                torch.float32)  # fmt: skip
 
-        def epoch_batches(epoch):
-            for i, start in enumerate(range(0, len(data) - 8, 4)):
-                if i % world == rank:
-                    yield data[start : start + 4]
-
-        session = TorchrunSession(epoch_batches, os.path.join(cfg.run_dir, "ckpt"), 4, rank, world)
+        session = TorchrunSession(rank_batches(data, 4, rank, world),
+                                  os.path.join(cfg.run_dir, "ckpt"), 4, rank, world)  # fmt: skip
         train(cfg, strategy, session)
     finally:
         dist.destroy_process_group()
