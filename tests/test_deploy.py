@@ -179,10 +179,32 @@ def test_containerfile_uses_the_pinned_ray_image_and_exact_pins(job):
     text = (REPO / "jobs" / job / "Containerfile").read_text()
     pins = pyproject_pins()
     (base,) = re.findall(r"^FROM (\S+)$", text, flags=re.M)
-    assert re.fullmatch(rf"anyscale/ray:{re.escape(pins['ray'])}-py311-cu12\d", base)
+    assert re.fullmatch(rf"anyscale/ray:{re.escape(pins['ray'])}-py311-cu1\d\d", base)
     installed = dict(re.findall(r"^\s+([A-Za-z0-9_.\-]+)==(\S+?)(?: \\)?$", text, flags=re.M))
     runtime = {n: v for n, v in pins.items() if n != "ray" and n in installed}
     assert installed == runtime and "torch" in installed and "deepspeed" in installed
     assert set(installed) == {p.split("==")[0] for p in images.pinned_requirements()}
     # Anyscale builds without a build context.
     assert not re.search(r"^\s*(COPY|ADD)\b", text, flags=re.M | re.I)
+
+
+@pytest.mark.parametrize("job", JOBS)
+def test_torch_is_built_for_the_base_images_cuda_major(job):
+    text = (REPO / "jobs" / job / "Containerfile").read_text()
+    # PyPI's torch 2.13.0 is a CUDA 13 build: the base image must be a CUDA 13 one.
+    assert images.torch_cuda_major(text) == images.base_cuda_major(text) == 13
+    assert images.cuda_mismatch(text) is None
+
+
+def test_a_cuda_12_base_with_pypis_cuda_13_torch_is_caught():
+    text = (REPO / "images" / "Containerfile").read_text()
+    broken = text.replace("-py311-cu130", "-py311-cu128")  # the image as it was
+    assert images.base_cuda_major(broken) == 12 and images.torch_cuda_major(broken) == 13
+    assert "CUDA 12 but torch is installed as a CUDA 13 build" in images.cuda_mismatch(broken)
+    # The other coherent fix: torch from PyTorch's cu128 wheel index on the cu128 base.
+    fixed = broken.replace("pip install --no-cache-dir", "pip install --no-cache-dir "
+                           "--index-url https://download.pytorch.org/whl/cu128")  # fmt: skip
+    assert images.torch_cuda_major(fixed) == 12 and images.cuda_mismatch(fixed) is None
+    assert images.torch_cuda_major(text.replace("torch==2.13.0", "torch==2.13.0+cu126")) == 12
+    cpu_base = text.replace("-py311-cu130", "-py311")
+    assert "CUDA none (CPU)" in images.cuda_mismatch(cpu_base)
