@@ -11,6 +11,7 @@ written down twice.
 
 from __future__ import annotations
 
+import csv
 import json
 import shlex
 import subprocess
@@ -24,15 +25,33 @@ REPO = Path(__file__).resolve().parents[1]
 # job.yaml tag naming the compute_configs/<name>.yaml its inline compute_config mirrors.
 COMPUTE_CONFIG_TAG = "compute-config"
 
-# The instance types the compute-config catalogue uses: vCPUs, GPUs, GPU model (AWS specs).
-INSTANCE_TYPES = {
-    "m5.xlarge": (4, 0, None),
-    "m5.2xlarge": (8, 0, None),
-    "g4dn.xlarge": (4, 1, "T4"),
-    "g4dn.12xlarge": (48, 4, "T4"),
-    "g6.12xlarge": (48, 4, "L4"),
-    "p5.48xlarge": (192, 8, "H100"),
-}
+# The sizes of the instance types the compute configs use (AWS specs): one row per type.
+INSTANCE_TYPES_FILE = REPO / "compute_configs" / "instance_types.csv"
+# Per node, beside the training workers: Ray Data's read/tokenise tasks need at least a CPU, or
+# the pipeline waits forever for one (STACK-FACTS: "Ray Data deadlock").
+CPUS_LEFT_FOR_DATA = 1
+
+
+@dataclass(frozen=True)
+class InstanceType:
+    name: str
+    vcpus: int
+    gpus: int
+    gpu_model: str | None
+    gpu_memory_gib: int  # per GPU
+    ram_gib: int
+
+
+def instance_types() -> dict[str, InstanceType]:
+    with INSTANCE_TYPES_FILE.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    return {
+        row["instance_type"]: InstanceType(
+            row["instance_type"], int(row["vcpus"]), int(row["gpus"]), row["gpu_model"] or None,
+            int(row["gpu_memory_gib"]), int(row["ram_gib"]),
+        )
+        for row in rows
+    }  # fmt: skip
 
 
 class JobSpecError(ValueError):
@@ -116,10 +135,58 @@ def load(job: str) -> JobSpec:
     return JobSpec(job, path, JobConfig.from_yaml(str(path)), yaml.safe_load(path.read_text()))
 
 
-def node_capacity(instance_type: str) -> tuple[int, int, str | None]:
-    if instance_type not in INSTANCE_TYPES:
+def instance_type(name: str) -> InstanceType:
+    types = instance_types()
+    if name not in types:
         raise JobSpecError(
-            f"unknown instance type '{instance_type}'; add its vCPUs and GPUs to "
-            "ci/jobspec.py INSTANCE_TYPES."
+            f"unknown instance type '{name}'; add its vCPUs, GPUs, GPU memory and RAM to "
+            f"{INSTANCE_TYPES_FILE.relative_to(REPO)}."
         )
-    return INSTANCE_TYPES[instance_type]
+    return types[name]
+
+
+def node_capacity(name: str) -> tuple[int, int, str | None]:
+    """(vCPUs, GPUs, GPU model) of an instance type."""
+    node = instance_type(name)
+    return node.vcpus, node.gpus, node.gpu_model
+
+
+def fit_problems(settings: dict, worker_groups: list[tuple[str, int]]) -> list[str]:
+    """Why a job's resolved settings do not fit a compute config's worker nodes, one sentence
+    each (empty when they fit). ``worker_groups``: (instance type, max nodes) per group.
+
+    GPU jobs: one worker per GPU, so a node holds as many workers as it has GPUs; each needs
+    ``cpus_per_worker`` of the node's vCPUs, with one left for Ray Data; a TP group talks in
+    every layer, so it must sit inside one node (tp divides the GPUs of a node). CPU jobs: all
+    workers' CPUs plus one for Ray Data within the worker nodes' vCPUs.
+    """
+    problems = []
+    workers, cpus, tp = settings["num_workers"], settings["cpus_per_worker"], settings.get("tp", 1)
+    nodes = [(instance_type(name), count) for name, count in worker_groups]
+    if settings["use_gpu"]:
+        gpu_nodes = [(node, count) for node, count in nodes if node.gpus]
+        total_gpus = sum(node.gpus * count for node, count in gpu_nodes)
+        if workers > total_gpus:
+            problems.append(f"num_workers={workers} needs {workers} GPUs; the compute config "
+                            f"has {total_gpus}.")  # fmt: skip
+        for node, _ in gpu_nodes:
+            on_node = min(workers, node.gpus)
+            need = on_node * cpus + CPUS_LEFT_FOR_DATA
+            if need > node.vcpus:
+                problems.append(
+                    f"{on_node} workers x cpus_per_worker={cpus:g} + {CPUS_LEFT_FOR_DATA} CPU "
+                    f"for Ray Data = {need:g} vCPUs do not fit a {node.name} ({node.vcpus} vCPUs)."
+                )
+            if node.gpus % tp:
+                problems.append(
+                    f"tp={tp} does not divide a {node.name}'s {node.gpus} GPUs, so a TP group "
+                    "would span two nodes."
+                )
+    else:
+        total = sum(node.vcpus * count for node, count in nodes)
+        need = workers * cpus + CPUS_LEFT_FOR_DATA
+        if need > total:
+            problems.append(f"{workers} workers x cpus_per_worker={cpus:g} + "
+                            f"{CPUS_LEFT_FOR_DATA} CPU for Ray Data = {need:g} vCPUs do not fit "
+                            f"the worker nodes' {total} vCPUs.")  # fmt: skip
+    return problems

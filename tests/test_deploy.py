@@ -89,21 +89,67 @@ def test_inline_compute_config_mirrors_its_catalogue_entry(spec):
     assert spec.config.compute_config == compute_config_type_from_yaml(str(CATALOGUE[name]))
 
 
+def worker_groups(compute_config) -> list[tuple[str, int]]:
+    return [(g.instance_type, g.max_nodes) for g in compute_config.worker_nodes]
+
+
 def test_full_profile_fits_the_compute_config(spec, full_settings):
-    settings = full_settings
-    groups = spec.config.compute_config.worker_nodes
-    capacity = [(jobspec.node_capacity(g.instance_type), g.max_nodes) for g in groups]
-    if settings["use_gpu"]:
-        gpus_per_node = max(gpus for (_, gpus, _), _ in capacity)
-        total_gpus = sum(gpus * nodes for (_, gpus, _), nodes in capacity)
-        assert settings["num_workers"] <= total_gpus
-        vcpus = min(cpus for (cpus, gpus, _), _ in capacity if gpus)
-        assert settings["cpus_per_worker"] * gpus_per_node <= vcpus  # workers on a full node
-        # TP talks in every layer: a TP group must fit in one node.
-        assert settings.get("tp", 1) <= gpus_per_node
-    else:
-        total_cpus = sum(cpus * nodes for (cpus, _, _), nodes in capacity)
-        assert settings["num_workers"] * settings["cpus_per_worker"] < total_cpus
+    groups = worker_groups(spec.config.compute_config)
+    assert jobspec.fit_problems(full_settings, groups) == []
+    if full_settings["use_gpu"]:  # and the numbers behind it, from the instance-type table
+        node = jobspec.instance_type(groups[0][0])
+        assert full_settings["num_workers"] <= node.gpus * groups[0][1]
+        assert full_settings["cpus_per_worker"] * node.gpus < node.vcpus
+        assert node.gpus % full_settings.get("tp", 1) == 0
+
+
+def test_a_job_that_does_not_fit_its_node_is_caught():
+    """The deliberately broken copies: each check fails on its own defect."""
+    ddp = jobspec.load("ddp").settings()  # 4 GPUs, cpus_per_worker=8
+    one_t4 = worker_groups(compute_config_type_from_yaml(str(CATALOGUE["1xT4"])))
+    (problem,) = jobspec.fit_problems({**ddp, "num_workers": 1}, one_t4)
+    assert problem.startswith("1 workers x cpus_per_worker=8 + 1 CPU for Ray Data = 9 vCPUs")
+    assert "g4dn.xlarge (4 vCPUs)" in problem
+    assert "needs 4 GPUs; the compute config has 1" in jobspec.fit_problems(ddp, one_t4)[0]
+    tp2d = jobspec.load("tp2d").settings()  # tp=4 on 2 x g6.12xlarge
+    two_l4_nodes = worker_groups(compute_config_type_from_yaml(str(CATALOGUE["2x4xL4"])))
+    assert jobspec.fit_problems(tp2d, two_l4_nodes) == []
+    (problem,) = jobspec.fit_problems({**tp2d, "tp": 8, "dp": 1}, two_l4_nodes)
+    assert problem == "tp=8 does not divide a g6.12xlarge's 4 GPUs, so a TP group would span two nodes."
+    (problem,) = jobspec.fit_problems({**tp2d, "tp": 3}, two_l4_nodes)
+    assert "tp=3 does not divide" in problem
+    smoke = {"num_workers": 4, "cpus_per_worker": 2, "use_gpu": False}
+    assert "9 vCPUs do not fit the worker nodes' 8 vCPUs" in jobspec.fit_problems(
+        smoke, [("m5.2xlarge", 1)]
+    )[0]
+
+
+def test_the_1xt4_recipe_in_the_catalogue_readme_fits():
+    """compute_configs/README.md says which settings a full profile needs on 1xT4."""
+    readme = (REPO / "compute_configs" / "README.md").read_text()
+    (row,) = [line for line in readme.splitlines() if line.startswith("| `1xT4`")]
+    overrides = re.findall(r"`(\w+=[^`]+)`", row)
+    assert {o.split("=")[0] for o in overrides} >= {"num_workers", "cpus_per_worker"}
+    one_t4 = worker_groups(compute_config_type_from_yaml(str(CATALOGUE["1xT4"])))
+    for job in ("ddp", "fsdp", "zero", "fault_tolerance"):
+        settings = jobspec.load(job).settings(overrides=overrides)
+        assert jobspec.fit_problems(settings, one_t4) == [], job
+
+
+def test_instance_type_table_is_complete_and_in_the_readme():
+    types = jobspec.instance_types()
+    used = set()
+    for path in CATALOGUE.values():
+        config = compute_config_type_from_yaml(str(path))
+        used |= {config.head_node.instance_type, *(g.instance_type for g in config.worker_nodes)}
+    assert used <= set(types)
+    readme = (REPO / "compute_configs" / "README.md").read_text()
+    for node in types.values():
+        row = (f"| `{node.name}` | {node.vcpus} | {node.gpus} | {node.gpu_model or '-'} | "
+               f"{node.gpu_memory_gib or '-'} | {node.ram_gib} |")  # fmt: skip
+        assert row in readme, row
+    with pytest.raises(jobspec.JobSpecError, match="instance_types.csv"):
+        jobspec.instance_type("g5.48xlarge")
 
 
 def test_an_entrypoint_with_a_bad_setting_is_refused_with_the_jobs_own_message(spec):
