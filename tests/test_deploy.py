@@ -115,13 +115,17 @@ def test_a_job_that_does_not_fit_its_node_is_caught():
     two_l4_nodes = worker_groups(compute_config_type_from_yaml(str(CATALOGUE["2x4xL4"])))
     assert jobspec.fit_problems(tp2d, two_l4_nodes) == []
     (problem,) = jobspec.fit_problems({**tp2d, "tp": 8, "dp": 1}, two_l4_nodes)
-    assert problem == "tp=8 does not divide a g6.12xlarge's 4 GPUs, so a TP group would span two nodes."
+    assert (
+        problem
+        == "tp=8 does not divide a g6.12xlarge's 4 GPUs, so a TP group would span two nodes."
+    )
     (problem,) = jobspec.fit_problems({**tp2d, "tp": 3}, two_l4_nodes)
     assert "tp=3 does not divide" in problem
     smoke = {"num_workers": 4, "cpus_per_worker": 2, "use_gpu": False}
-    assert "9 vCPUs do not fit the worker nodes' 8 vCPUs" in jobspec.fit_problems(
-        smoke, [("m5.2xlarge", 1)]
-    )[0]
+    assert (
+        "9 vCPUs do not fit the worker nodes' 8 vCPUs"
+        in jobspec.fit_problems(smoke, [("m5.2xlarge", 1)])[0]
+    )
 
 
 def test_the_1xt4_recipe_in_the_catalogue_readme_fits():
