@@ -12,6 +12,9 @@ ARGS ?=
 PYTEST_ARGS ?=
 WAIT ?=
 IMAGE ?=
+STORAGE ?=
+STORAGE_CLASS ?=
+MAX_WAIT_S ?=
 DEST ?=
 KIND_CLUSTER ?= ray-templates
 
@@ -19,6 +22,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NET := $(if $(filter 1,$(LOOPBACK_ONLY)),ci/loopback.sh,)
+# Tests never report Ray usage statistics (README "Telemetry" says how users opt out).
+NO_USAGE_STATS := RAY_USAGE_STATS_ENABLED=0
+# `make submit` runs from a venv holding only the anyscale CLI: no training packages are built
+# (DeepSpeed's setup.py runs at install) where the Anyscale token is in the environment.
+SUBMIT_VENV := build/anyscale-cli
+ANYSCALE_PIN := $(shell grep -E '^anyscale==' constraints.txt)
 
 # Fail on a bad JOB (or DEST) before anything is installed or started.
 JOB_TARGETS := run-local run-cluster submit render-kuberay run-kuberay kind-image template stack
@@ -38,7 +47,7 @@ endif
 
 .PHONY: help setup run-local test test-unit lint clean stack tensorboard \
 	run-cluster submit compute-configs containerfiles render-kuberay run-kuberay kuberay-crds \
-	kind-up kind-image kind-down template validate plan bench
+	kind-up kind-image kind-down template validate plan bench anyscale-cli
 
 help: ## Show the targets
 	@echo "usage: make <target> [JOB=<job>] [PROFILE=smoke|full] [ARGS=\"key=value ...\"]"
@@ -67,8 +76,15 @@ tensorboard: setup ## TensorBoard over every run under runs/ (http://127.0.0.1:6
 run-cluster: setup ## JOB on a local head + worker node via the Ray Jobs API (ray job submit)
 	$(NET) $(PY) -m ci.run_cluster --job $(JOB) --profile $(PROFILE) $(ARGS)
 
-submit: setup ## JOB on Anyscale: anyscale job submit -f jobs/JOB/job.yaml [WAIT=1 adds --wait]
-	$(PY) -m ci.anyscale_cli submit --job $(JOB) $(if $(filter 1,$(WAIT)),--wait,)
+anyscale-cli: $(SUBMIT_VENV)/.installed ## The small venv `make submit` uses (anyscale CLI only)
+
+$(SUBMIT_VENV)/.installed: constraints.txt
+	$(or $(PYTHON),python3) -m venv $(SUBMIT_VENV)
+	$(SUBMIT_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt $(ANYSCALE_PIN)
+	@touch $@
+
+submit: anyscale-cli ## JOB on Anyscale: anyscale job submit -f jobs/JOB/job.yaml [WAIT=1 adds --wait]
+	$(SUBMIT_VENV)/bin/python -m ci.anyscale_cli submit --job $(JOB) $(if $(filter 1,$(WAIT)),--wait,) $(if $(MAX_WAIT_S),--max-wait-s $(MAX_WAIT_S),)
 
 compute-configs: setup ## Register compute_configs/*.yaml on Anyscale under their file names
 	$(PY) -m ci.anyscale_cli compute-configs
@@ -76,11 +92,14 @@ compute-configs: setup ## Register compute_configs/*.yaml on Anyscale under thei
 containerfiles: setup ## Rewrite images/Containerfile + jobs/*/Containerfile from images/requirements.txt
 	$(PY) -m ci.images
 
-render-kuberay: setup ## build/JOB/rayjob.yaml: a KubeRay RayJob derived from job.yaml [IMAGE=...]
-	$(PY) -m ci.kuberay render --job $(JOB) --profile $(PROFILE) $(if $(IMAGE),--image $(IMAGE),)
+KUBERAY_ARGS = --job $(JOB) --profile $(PROFILE) $(if $(IMAGE),--image $(IMAGE),) \
+	$(if $(STORAGE),--storage $(STORAGE),) $(if $(STORAGE_CLASS),--storage-class $(STORAGE_CLASS),)
+
+render-kuberay: setup ## build/JOB/*.yaml: a KubeRay RayJob from job.yaml [IMAGE=... STORAGE=kind|pvc|s3://...]
+	$(PY) -m ci.kuberay render $(KUBERAY_ARGS)
 
 run-kuberay: setup ## Render, apply to the current kubectl context, wait, print logs; fail unless SUCCEEDED
-	$(PY) -m ci.kuberay run --job $(JOB) --profile $(PROFILE) $(if $(IMAGE),--image $(IMAGE),)
+	$(PY) -m ci.kuberay run $(KUBERAY_ARGS)
 
 kuberay-crds: setup ## Fetch the pinned KubeRay RayJob CRD (into ci/kuberay/, or KUBERAY_CRD_DIR)
 	$(PY) -m ci.kuberay fetch-crds
@@ -109,13 +128,16 @@ bench: setup ## DDP/FSDP2/ZeRO-1/2/3/TPxDP on the local cluster -> docs/benchmar
 TEST_WORKERS ?= 2
 
 test: setup ## All tests: unit + end-to-end on a real local Ray cluster [TEST_WORKERS=2]
-	$(NET) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(NO_USAGE_STATS) $(NET) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
-validate: setup ## Offline checks of job.yaml, compute configs, workspace, images, pins, RayJobs
-	$(PY) -m pytest tests/test_deploy.py tests/test_kuberay.py tests/test_pins.py $(PYTEST_ARGS)
+VALIDATE_TESTS := tests/test_deploy.py tests/test_kuberay.py tests/test_pins.py \
+	tests/test_ci_config.py tests/test_template.py
+
+validate: setup ## Offline checks: job.yaml, compute configs + instance types, images' CUDA, pins, RayJobs, workflows, template
+	$(NO_USAGE_STATS) $(PY) -m pytest $(VALIDATE_TESTS) $(PYTEST_ARGS)
 
 test-unit: setup ## Only the fast tests (no Ray cluster)
-	$(NET) $(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)
+	$(NO_USAGE_STATS) $(NET) $(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)
 
 lint: setup ## pre-commit: ruff, yamllint, hadolint, workflow schema + actionlint, whitespace
 	$(PY) -m pre_commit run --all-files --show-diff-on-failure

@@ -4,7 +4,10 @@
     make compute-configs            # anyscale compute-config create -f compute_configs/X.yaml -n X
 
 Both stop with one line saying how to log in when there are no credentials, instead of the
-CLI's traceback. Run from the repository root: job.yaml paths are relative to it.
+CLI's traceback. Run from the repository root: job.yaml paths are relative to it. ``make submit``
+runs this from a small venv with only the ``anyscale`` CLI (build/anyscale-cli), so no training
+package is built while the token is in the environment. ``--max-wait-s`` (the GitHub workflow
+passes its own limit) refuses ``--wait`` for a job whose ``timeout_s`` could outlast the waiter.
 """
 
 from __future__ import annotations
@@ -33,8 +36,21 @@ def anyscale(*args: str) -> int:
     return subprocess.run([cli, *args], cwd=REPO).returncode
 
 
-def submit(job: str, wait: bool) -> int:
-    load(job)  # a job.yaml the SDK cannot parse fails here, with the file named
+def wait_problem(job: str, timeout_s: int, max_wait_s: float) -> str | None:
+    """One sentence when waiting for the job could outlast the caller's own limit."""
+    if max_wait_s and timeout_s > max_wait_s:
+        return (
+            f"jobs/{job}/job.yaml's timeout_s={timeout_s} is longer than the {max_wait_s:.0f} s "
+            "this caller can wait; submit without --wait (WAIT=) and follow it with "
+            f"`anyscale job status --name {job.replace('_', '-')}`."
+        )
+    return None
+
+
+def submit(job: str, wait: bool, max_wait_s: float = 0) -> int:
+    spec = load(job)  # a job.yaml the SDK cannot parse fails here, with the file named
+    if wait and (problem := wait_problem(job, spec.config.timeout_s, max_wait_s)):
+        raise JobSpecError(problem)
     return anyscale("job", "submit", "-f", f"jobs/{job}/job.yaml", *(["--wait"] if wait else []))
 
 
@@ -54,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     submit_parser = sub.add_parser("submit")
     submit_parser.add_argument("--job", required=True)
     submit_parser.add_argument("--wait", action="store_true")
+    submit_parser.add_argument("--max-wait-s", type=float, default=0,
+                               help="refuse --wait when job.yaml's timeout_s is longer")  # fmt: skip
     sub.add_parser("compute-configs")
     args = parser.parse_args(argv)
     if not has_credentials():
@@ -61,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if args.command == "submit":
-            return submit(args.job, args.wait)
+            return submit(args.job, args.wait, args.max_wait_s)
         return register_compute_configs()
     except JobSpecError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -14,13 +14,20 @@ How code and packages reach the pods:
   * the code (the job folder and ``shared/``) is a ConfigMap mounted in the head, the workers
     and the submitter pod. The submitter runs ``ray job submit`` with ``working_dir`` = that
     mount, so the runtime env is the one ``make run-cluster`` and Anyscale use;
-  * the packages: by default the stock ``rayproject/ray`` image, with the pinned packages the
-    Anyscale image bakes in installed by the runtime env's ``pip`` (CPU torch wheels: kind);
-    or ``--image``, the job's Containerfile built and loaded into the cluster
-    (``kind load docker-image``), and no runtime ``pip``.
+  * the packages: for CPU (smoke) profiles by default the stock ``rayproject/ray`` image, with
+    the pinned packages the Anyscale image bakes in installed by the runtime env's ``pip`` (CPU
+    torch wheels: kind); or ``--image``, the job's Containerfile built and loaded into the
+    cluster (``kind load docker-image``), and no runtime ``pip``. GPU (full) profiles need
+    ``--image`` (the job's CUDA image): the render refuses them without one.
 
-Storage: Ray Train needs one path every node can read. On kind that is a directory of the
-kind node (``ci/kind-config.yaml`` mounts it) exposed to every pod as a hostPath.
+Storage: Ray Train needs one path every node can read (``--storage``):
+  * ``pvc`` (the default for GPU profiles): a ReadWriteMany PersistentVolumeClaim, rendered
+    beside the RayJob (``--storage-class`` picks an RWX class such as EFS/Filestore/NFS);
+  * ``s3://bucket/prefix`` (any URI): an object store as ``storage_path``, no volume;
+  * ``kind`` (the default for CPU profiles): a directory of the single kind node
+    (``ci/kind-config.yaml`` mounts it) as a hostPath - only shared because kind has one node.
+GPU worker pods also get a memory-backed ``/dev/shm`` (NCCL between the GPUs of a pod needs
+more than the container default of 64 MB), and request exactly what they limit.
 
 The renderer validates what it writes (``validate``) against the KubeRay CRD's v1 schema, strictly
 (unknown fields rejected, as ``kubectl --validate=strict`` does), plus the operator's own rules.
@@ -41,7 +48,8 @@ from pathlib import Path
 import yaml
 
 from ci.images import pinned_requirements
-from ci.jobspec import REPO, JobSpecError, load, node_capacity
+from ci.jobspec import CPUS_LEFT_FOR_DATA, REPO, JobSpecError, instance_type, load
+from ci.template import needed_shared_files
 
 KUBERAY_VERSION = "1.7.0"
 RAY_VERSION = "2.60.0"
@@ -55,7 +63,14 @@ CRD_URL = (
 APP_DIR = "/home/ray/app"  # the code, in every pod
 RUNS_DIR = "/home/ray/runs"  # shared storage_path, in every pod
 KIND_RUNS_DIR = "/runs"  # on the kind node (ci/kind-config.yaml mounts the host dir there)
-CPUS_LEFT_FOR_DATA = 1  # per worker pod: Ray Data's tokenisation tasks need a CPU too
+PVC_SIZE = "200Gi"  # checkpoints of a ~500M model with optimizer state, several kept
+STORAGE_KINDS = ("kind", "pvc")  # or an object-store URI
+POD_RAM_FRACTION = 0.8  # of the node's RAM: the rest for the kubelet and daemon sets
+# A smoke run on kind: image pull, the runtime env's pip install, ~1 min of training.
+SMOKE_DEADLINE_S = 1800
+# KubeRay's RayJob .status.jobDeploymentStatus values after which nothing more happens
+# (rayjob_types.go: Complete, Failed, ValidationFailed; the others are on the way there).
+TERMINAL_DEPLOYMENT_STATUSES = ("Complete", "Failed", "ValidationFailed")
 SUBMISSION_MODES = ("K8sJobMode", "HTTPMode", "InteractiveMode", "SidecarMode")
 CONFIGMAP_LIMIT = 1024 * 1024  # etcd's object size limit
 CONFIGMAP_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
@@ -75,13 +90,13 @@ def resource_name(job: str) -> str:
 
 
 def code_files(job: str) -> list[Path]:
-    """What a job needs on the cluster: its folder and the shared library (no caches)."""
-    files = sorted((REPO / "jobs" / job).glob("*"))
-    files += sorted((REPO / "shared").rglob("*.py"))
-    return [f for f in files if f.is_file() and "__pycache__" not in f.parts]
+    """What a job needs on the cluster: its ``main.py`` and the ``shared`` modules it imports,
+    directly or not (the import closure ``make template`` copies): no READMEs, Containerfiles
+    or modules it never loads, so the ConfigMap stays far below its 1 MiB limit."""
+    return [REPO / "jobs" / job / "main.py", *needed_shared_files(job)]
 
 
-def code_configmap(job: str, name: str) -> dict:
+def code_configmap(job: str, name: str) -> tuple[dict, list[dict]]:
     """The code as a ConfigMap; keys are flat, so each key maps back to its path on mount."""
     data, items = {}, []
     for path in code_files(job):
@@ -97,20 +112,36 @@ def code_configmap(job: str, name: str) -> dict:
     }, items
 
 
+def runs_pvc(name: str, storage_class: str = "") -> dict:
+    """The shared run directory for several nodes: ReadWriteMany, so every pod mounts it."""
+    spec = {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": PVC_SIZE}}}
+    if storage_class:
+        spec["storageClassName"] = storage_class
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": f"{name}-runs", "labels": {"app.kubernetes.io/name": name}},
+        "spec": spec,
+    }
+
+
 def worker_group(settings: dict, spec) -> dict:
     """Worker pods sized from the job's scaling config: on GPUs one pod per node of the compute
-    config (all its GPUs), on CPUs one pod per worker or TP group (plus a CPU for Ray Data)."""
+    config (all its GPUs, most of its RAM), on CPUs one pod per worker or TP group (plus a CPU
+    for Ray Data)."""
     workers = settings["num_workers"]
     min_workers = settings.get("min_workers") or workers
     if settings["use_gpu"]:
-        gpu_nodes = spec.config.compute_config.worker_nodes[0]
-        _, gpus_per_pod, _ = node_capacity(gpu_nodes.instance_type)
-        workers_per_pod = max(1, gpus_per_pod)
+        node = instance_type(spec.config.compute_config.worker_nodes[0].instance_type)
+        workers_per_pod = max(1, node.gpus)
         cpus = math.ceil(settings["cpus_per_worker"] * workers_per_pod) + CPUS_LEFT_FOR_DATA
+        memory_gib = int(node.ram_gib * POD_RAM_FRACTION)
         start = {"num-cpus": str(cpus), "num-gpus": str(workers_per_pod)}
-        resources = {"cpu": str(cpus), "memory": f"{8 * workers_per_pod}Gi",
-                     "nvidia.com/gpu": str(workers_per_pod)}  # fmt: skip
-        requests = dict(resources)
+        limits = {"cpu": str(cpus), "memory": f"{memory_gib}Gi",
+                  "nvidia.com/gpu": str(workers_per_pod)}  # fmt: skip
+        requests = dict(limits)  # GPUs cannot be overcommitted: requests equal limits
+        # NCCL's shared-memory transport between the pod's GPUs; counts against the memory.
+        shm = f"{memory_gib // 4}Gi"
     else:
         # One pod per training worker, or per TP group: a TP group must share a node.
         workers_per_pod = settings.get("tp", 1)
@@ -118,7 +149,8 @@ def worker_group(settings: dict, spec) -> dict:
         start = {"num-cpus": str(cpus)}
         # Request little (kind runs on a 4-CPU CI machine), let the pod burst to its Ray CPUs.
         requests = {"cpu": "500m", "memory": "1536Mi"}
-        resources = {"cpu": str(cpus), "memory": "3Gi"}
+        limits = {"cpu": str(cpus), "memory": "3Gi"}
+        shm = ""
     replicas = math.ceil(workers / workers_per_pod)
     return {
         "groupName": "workers",
@@ -126,21 +158,32 @@ def worker_group(settings: dict, spec) -> dict:
         "minReplicas": math.ceil(min_workers / workers_per_pod),
         "maxReplicas": replicas,
         "rayStartParams": start,
-        "_resources": {"requests": requests, "limits": resources},
+        "_resources": {"requests": requests, "limits": limits},
+        "_shm": shm,
     }
 
 
+def usage_stats_env() -> list[dict]:
+    """The renderer's RAY_USAGE_STATS_ENABLED (CI sets 0), carried into every Ray container:
+    the head's dashboard is what reports usage."""
+    value = os.environ.get("RAY_USAGE_STATS_ENABLED")
+    return [{"name": "RAY_USAGE_STATS_ENABLED", "value": value}] if value is not None else []
+
+
 def ray_container(name: str, image: str, resources: dict, mounts: list[dict]) -> dict:
-    return {"name": name, "image": image, "resources": resources, "volumeMounts": mounts}
+    container = {"name": name, "image": image, "resources": resources, "volumeMounts": mounts}
+    if env := usage_stats_env():
+        container["env"] = env
+    return container
 
 
-def pod_volumes(name: str, items: list[dict]) -> tuple[list[dict], list[dict]]:
-    volumes = [
-        {"name": "code", "configMap": {"name": f"{name}-code", "items": items}},
-        {"name": "runs", "hostPath": {"path": KIND_RUNS_DIR, "type": "Directory"}},
-    ]
-    mounts = [{"name": "code", "mountPath": APP_DIR}, {"name": "runs", "mountPath": RUNS_DIR}]
-    return volumes, mounts
+def storage_volume(name: str, storage: str) -> list[dict]:
+    """The ``runs`` volume for ``storage`` (none for an object store)."""
+    if storage == "kind":
+        return [{"name": "runs", "hostPath": {"path": KIND_RUNS_DIR, "type": "Directory"}}]
+    if storage == "pvc":
+        return [{"name": "runs", "persistentVolumeClaim": {"claimName": f"{name}-runs"}}]
+    return []
 
 
 def runtime_env(spec, image: str) -> dict:
@@ -155,20 +198,57 @@ def runtime_env(spec, image: str) -> dict:
     return env
 
 
-def render(job: str, profile: str = "smoke", image: str = "") -> list[dict]:
-    """The manifests for one job: the code ConfigMap and the RayJob."""
+def deadline_s(spec, profile: str) -> int:
+    """activeDeadlineSeconds: job.yaml's timeout for the profile it runs, a smoke-sized one
+    for a smoke run (a hung kind run should not hold CI for hours)."""
+    if profile == spec.profile:
+        return spec.config.timeout_s
+    return min(SMOKE_DEADLINE_S, spec.config.timeout_s)
+
+
+def resolve_storage(storage: str, gpu: bool) -> str:
+    storage = storage or ("pvc" if gpu else "kind")
+    if storage not in STORAGE_KINDS and "://" not in storage:
+        raise KubeRayError(
+            f"storage '{storage}' is neither kind, pvc nor an object-store URI such as "
+            "s3://bucket/runs."
+        )
+    return storage
+
+
+def render(
+    job: str, profile: str = "smoke", image: str = "", storage: str = "", storage_class: str = ""
+) -> list[dict]:
+    """The manifests for one job: the code ConfigMap, the run PVC (``pvc`` storage), the RayJob."""
     spec = load(job)
     name = resource_name(job)
+    settings = spec.settings(profile)
+    gpu = settings["use_gpu"]
+    if gpu and not image:
+        raise KubeRayError(
+            f"PROFILE={profile} of {job} trains on GPUs and needs the job's CUDA image: build "
+            f"jobs/{job}/Containerfile and pass it as IMAGE= (make kind-image JOB={job}, then "
+            f"IMAGE=train-{job}:dev)."
+        )
+    storage = resolve_storage(storage, gpu)
+    storage_path = storage if "://" in storage else RUNS_DIR
     # Fixed in the manifest, so a retry (backoffLimit) of this RayJob resumes its checkpoints;
     # new per render, so the next `make run-kuberay` trains afresh on the same storage.
     run_name = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    overrides = [f"storage_path={RUNS_DIR}", f"run_name={run_name}"]
-    settings = spec.settings(profile, overrides)
+    overrides = [f"storage_path={storage_path}", f"run_name={run_name}"]
     pod_image = image or STOCK_IMAGE
     configmap, items = code_configmap(job, name)
-    volumes, mounts = pod_volumes(name, items)
+    code_volume = {"name": "code", "configMap": {"name": f"{name}-code", "items": items}}
+    runs_volumes = storage_volume(name, storage)
+    volumes = [code_volume, *runs_volumes]
+    code_mount = {"name": "code", "mountPath": APP_DIR}
+    mounts = [code_mount] + [{"name": "runs", "mountPath": RUNS_DIR} for _ in runs_volumes]
     workers = worker_group(settings, spec)
-    worker_resources = workers.pop("_resources")
+    worker_resources, shm = workers.pop("_resources"), workers.pop("_shm")
+    worker_volumes, worker_mounts = list(volumes), list(mounts)
+    if shm:
+        worker_volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}})
+        worker_mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     head = ray_container(
         "ray-head", pod_image,
         {"requests": {"cpu": "500m", "memory": "2Gi"}, "limits": {"memory": "4Gi"}}, mounts,
@@ -183,7 +263,7 @@ def render(job: str, profile: str = "smoke", image: str = "") -> list[dict]:
             "runtimeEnvYAML": yaml.safe_dump(runtime_env(spec, image), sort_keys=False),
             "shutdownAfterJobFinishes": True,
             "ttlSecondsAfterFinished": 600,  # time to read the logs before the cluster goes
-            "activeDeadlineSeconds": spec.config.timeout_s,
+            "activeDeadlineSeconds": deadline_s(spec, profile),
             "backoffLimit": spec.config.max_retries,
             "rayClusterSpec": {
                 "rayVersion": RAY_VERSION,
@@ -200,8 +280,8 @@ def render(job: str, profile: str = "smoke", image: str = "") -> list[dict]:
                     **workers,
                     "template": {"spec": {
                         "containers": [ray_container("ray-worker", pod_image, worker_resources,
-                                                     mounts)],
-                        "volumes": volumes,
+                                                     worker_mounts)],
+                        "volumes": worker_volumes,
                     }},
                 }],
             },
@@ -210,20 +290,31 @@ def render(job: str, profile: str = "smoke", image: str = "") -> list[dict]:
                 "restartPolicy": "Never",
                 "containers": [ray_container(
                     "ray-job-submitter", pod_image,
-                    {"requests": {"cpu": "200m", "memory": "512Mi"}}, mounts,
+                    {"requests": {"cpu": "200m", "memory": "512Mi"}}, [code_mount],
                 )],
-                "volumes": volumes,
+                "volumes": [code_volume],
             }},
         },
     }  # fmt: skip
-    manifests = [configmap, rayjob]
+    manifests = [configmap]
+    if storage == "pvc":
+        manifests.append(runs_pvc(name, storage_class))
+    manifests.append(rayjob)
     for manifest in manifests:
         validate(manifest)
     return manifests
 
 
+def by_kind(manifests: list[dict]) -> dict[str, dict]:
+    return {manifest["kind"]: manifest for manifest in manifests}
+
+
 class _ManifestDumper(yaml.SafeDumper):
-    """Multi-line strings (runtimeEnvYAML, the code) as readable ``|`` blocks."""
+    """Multi-line strings (runtimeEnvYAML, the code) as readable ``|`` blocks; plain YAML
+    without anchors/aliases (``&id001``) even where the renderer shares a dict."""
+
+    def ignore_aliases(self, data) -> bool:
+        return True
 
 
 def _represent_str(dumper: yaml.SafeDumper, text: str):
@@ -238,13 +329,19 @@ def dump(manifest: dict) -> str:
     return yaml.dump(manifest, Dumper=_ManifestDumper, sort_keys=False, width=100)
 
 
+MANIFEST_FILES = {
+    "ConfigMap": "code-configmap.yaml",
+    "PersistentVolumeClaim": "runs-pvc.yaml",
+    "RayJob": "rayjob.yaml",
+}
+
+
 def write(job: str, manifests: list[dict]) -> list[Path]:
     out = REPO / "build" / job
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for manifest in manifests:
-        filename = "rayjob.yaml" if manifest["kind"] == "RayJob" else "code-configmap.yaml"
-        path = out / filename
+        path = out / MANIFEST_FILES[manifest["kind"]]
         path.write_text(dump(manifest))
         paths.append(path)
     return paths
@@ -308,6 +405,9 @@ def validate(manifest: dict, schema: dict | None = None) -> None:
     if manifest.get("kind") == "ConfigMap":
         _validate_configmap(manifest)
         return
+    if manifest.get("kind") == "PersistentVolumeClaim":
+        _validate_pvc(manifest)
+        return
     import copy
 
     import jsonschema
@@ -321,6 +421,57 @@ def validate(manifest: dict, schema: dict | None = None) -> None:
         where = ".".join(str(p) for p in errors[0].absolute_path) or "<root>"
         raise KubeRayError(f"RayJob {where}: {errors[0].message}")
     _validate_operator_rules(instance)
+    _validate_pods(instance)
+
+
+def _pod_specs(rayjob: dict) -> list[dict]:
+    cluster = rayjob["spec"].get("rayClusterSpec") or {}
+    pods = [cluster.get("headGroupSpec", {}).get("template", {}).get("spec", {})]
+    pods += [g.get("template", {}).get("spec", {}) for g in cluster.get("workerGroupSpecs", [])]
+    pods.append(rayjob["spec"].get("submitterPodTemplate", {}).get("spec", {}))
+    return pods
+
+
+def _validate_pods(rayjob: dict) -> None:
+    """What would start but cannot train: GPUs on a CPU image, GPU pods without a large
+    /dev/shm or with requests below limits, node-local storage for pods on several nodes."""
+    for pod in _pod_specs(rayjob):
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        for container in pod.get("containers", []):
+            resources = container.get("resources", {})
+            gpus = resources.get("limits", {}).get("nvidia.com/gpu")
+            if not gpus:
+                continue
+            image = container["image"]
+            if image.endswith("-cpu") or image == STOCK_IMAGE:
+                raise KubeRayError(
+                    f"container '{container['name']}' requests GPUs but runs {image}, a CPU "
+                    "image; pass IMAGE= with the job's CUDA image."
+                )
+            if resources.get("requests") != resources.get("limits"):
+                raise KubeRayError(f"container '{container['name']}': GPU pods need requests "
+                                   "equal to limits.")  # fmt: skip
+            shm = [m for m in container.get("volumeMounts", []) if m["mountPath"] == "/dev/shm"]
+            if not shm or volumes.get(shm[0]["name"], {}).get("emptyDir", {}).get("medium") != (
+                "Memory"
+            ):
+                raise KubeRayError(
+                    f"container '{container['name']}' uses GPUs without a memory-backed "
+                    "/dev/shm volume (NCCL needs more than the default 64 MB)."
+                )
+            if any("hostPath" in v for v in volumes.values()):
+                raise KubeRayError(
+                    "GPU pods store runs on a hostPath, which other nodes do not see; use "
+                    "a ReadWriteMany PVC or an object store."
+                )
+
+
+def _validate_pvc(pvc: dict) -> None:
+    if "ReadWriteMany" not in pvc["spec"].get("accessModes", []):
+        raise KubeRayError(
+            f"PersistentVolumeClaim {pvc['metadata']['name']} must be ReadWriteMany: pods on "
+            "several nodes write the same run directory."
+        )
 
 
 _SCHEMA: dict | None = None
@@ -403,6 +554,10 @@ def kubectl(*args: str, capture: bool = False) -> str:
     return proc.stdout if capture else ""
 
 
+def finished(deployment_status: str) -> bool:
+    return deployment_status in TERMINAL_DEPLOYMENT_STATUSES
+
+
 def run(job: str, paths: list[Path], timeout_s: float) -> int:
     """Apply, wait for the job to finish, print the submitter's logs; 0 only if SUCCEEDED."""
     name = resource_name(job)
@@ -414,12 +569,14 @@ def run(job: str, paths: list[Path], timeout_s: float) -> int:
     while time.time() < deadline:
         deployment = kubectl("get", "rayjob", name, "-o",
                              "jsonpath={.status.jobDeploymentStatus}", capture=True)  # fmt: skip
-        if deployment in ("Complete", "Failed"):
+        if finished(deployment):
             break
         time.sleep(10)
     status = kubectl("get", "rayjob", name, "-o", "jsonpath={.status.jobStatus}", capture=True)
     subprocess.run(["kubectl", "logs", f"job/{name}", "--all-containers", "--tail=-1"])
     print(f"RayJob {name}: deployment {deployment or 'unknown'}, job {status or 'unknown'}")
+    if not finished(deployment):
+        print(f"RayJob {name} did not finish within {timeout_s:.0f} s.", file=sys.stderr)
     if status != "SUCCEEDED":
         kubectl("describe", "rayjob", name)
         return 1
@@ -444,9 +601,12 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(command)
         p.add_argument("--job", required=True)
         p.add_argument("--profile", default="smoke")
-        p.add_argument("--image", default="", help="default: the stock Ray image + runtime pip")
+        p.add_argument("--image", default="", help="CPU default: stock Ray image + runtime pip")
+        p.add_argument("--storage", default="", help="kind, pvc or s3://... (default: by profile)")
+        p.add_argument("--storage-class", default="", help="RWX StorageClass for --storage pvc")
         if command == "run":
-            p.add_argument("--timeout", type=float, default=1800)
+            p.add_argument("--timeout", type=float, default=0,
+                           help="default: the RayJob's activeDeadlineSeconds + 5 min")  # fmt: skip
     check = sub.add_parser("validate")
     check.add_argument("files", nargs="+")
     sub.add_parser("fetch-crds")
@@ -461,10 +621,16 @@ def main(argv: list[str] | None = None) -> int:
                     validate(manifest)
                 print(f"{file}: valid")
             return 0
-        paths = write(args.job, render(args.job, args.profile, args.image))
+        manifests = render(args.job, args.profile, args.image, args.storage, args.storage_class)
+        paths = write(args.job, manifests)
         for path in paths:
             print(f"wrote {path.relative_to(REPO)}")
-        return run(args.job, paths, args.timeout) if args.command == "run" else 0
+        if args.command != "run":
+            return 0
+        timeout = (
+            args.timeout or by_kind(manifests)["RayJob"]["spec"]["activeDeadlineSeconds"] + 300
+        )
+        return run(args.job, paths, timeout)
     except (KubeRayError, JobSpecError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

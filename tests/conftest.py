@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# Every Ray cluster a test starts (and every job process it runs) reports no usage statistics.
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 
 
 @dataclass

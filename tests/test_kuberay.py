@@ -33,6 +33,12 @@ def ddp_rayjob():
     return kuberay.render("ddp")[1]
 
 
+@pytest.fixture(scope="module")
+def tp2d_gpu():
+    """tp2d's full profile as `make render-kuberay JOB=tp2d PROFILE=full IMAGE=train-tp2d:dev`."""
+    return kuberay.by_kind(kuberay.render("tp2d", profile="full", image="train-tp2d:dev"))
+
+
 def test_rendered_rayjob_is_valid_for_the_crd(rendered, schema):
     _, configmap, rayjob = rendered
     kuberay.validate(rayjob, schema)
@@ -47,7 +53,9 @@ def test_rayjob_is_derived_from_job_yaml(rendered):
     assert rj["submissionMode"] == "K8sJobMode" and rj["shutdownAfterJobFinishes"] is True
     assert rj["ttlSecondsAfterFinished"] > 0
     assert rj["backoffLimit"] == spec.config.max_retries
-    assert rj["activeDeadlineSeconds"] == spec.config.timeout_s
+    # A smoke run gets a smoke-sized deadline, not the full profile's hours.
+    assert rj["activeDeadlineSeconds"] == min(kuberay.SMOKE_DEADLINE_S, spec.config.timeout_s)
+    assert rj["activeDeadlineSeconds"] < 3600
     argv = shlex.split(rj["entrypoint"])
     assert argv[:2] == ["python", f"jobs/{job}/main.py"]
     assert argv[argv.index("--profile") + 1] == "smoke"
@@ -85,14 +93,127 @@ def test_worker_group_is_sized_from_the_jobs_scaling_config(rendered):
 @pytest.mark.parametrize(("job", "pods", "gpus"), [("ddp", 1, 4), ("tp2d", 2, 4)])
 def test_gpu_profiles_get_whole_nodes_of_their_compute_config(job, pods, gpus, schema):
     image = "registry.example.com/train:dev"
-    _, rayjob = kuberay.render(job, profile="full", image=image)
+    manifests = kuberay.by_kind(kuberay.render(job, profile="full", image=image))
+    rayjob = manifests["RayJob"]
     kuberay.validate(rayjob, schema)
     (group,) = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"]
     assert group["replicas"] == pods and group["rayStartParams"]["num-gpus"] == str(gpus)
     container = group["template"]["spec"]["containers"][0]
     assert container["image"] == image
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == str(gpus)
+    resources = container["resources"]
+    assert resources["limits"]["nvidia.com/gpu"] == str(gpus)
+    assert resources["requests"] == resources["limits"]  # GPUs are never overcommitted
+    node = jobspec.instance_type("g4dn.12xlarge" if job == "ddp" else "g6.12xlarge")
+    assert resources["limits"]["memory"] == f"{int(node.ram_gib * 0.8)}Gi"  # 153Gi of 192
     assert "pip" not in yaml.safe_load(rayjob["spec"]["runtimeEnvYAML"])  # baked into the image
+    assert rayjob["spec"]["activeDeadlineSeconds"] == jobspec.load(job).config.timeout_s
+
+
+def test_gpu_render_has_shm_a_pvc_and_no_hostpath(tp2d_gpu, schema):
+    rayjob, pvc = tp2d_gpu["RayJob"], tp2d_gpu["PersistentVolumeClaim"]
+    kuberay.validate(rayjob, schema)
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    text = kuberay.dump(rayjob)
+    assert "hostPath" not in text
+    (group,) = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    pod = group["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0]["volumeMounts"]}
+    assert volumes[mounts["/dev/shm"]]["emptyDir"] == {"medium": "Memory", "sizeLimit": "38Gi"}
+    assert volumes[mounts[kuberay.RUNS_DIR]]["persistentVolumeClaim"] == {
+        "claimName": pvc["metadata"]["name"]
+    }
+    head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    assert {v["name"] for v in head["volumes"]} == {"code", "runs"}
+    argv = shlex.split(rayjob["spec"]["entrypoint"])
+    assert f"storage_path={kuberay.RUNS_DIR}" in argv and "--profile" in argv
+
+
+def test_gpu_render_with_an_object_store_has_no_runs_volume():
+    manifests = kuberay.render("tp2d", "full", "train-tp2d:dev", storage="s3://bucket/runs")
+    assert [m["kind"] for m in manifests] == ["ConfigMap", "RayJob"]
+    rayjob = manifests[1]
+    assert "storage_path=s3://bucket/runs" in shlex.split(rayjob["spec"]["entrypoint"])
+    (group,) = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    assert {v["name"] for v in group["template"]["spec"]["volumes"]} == {"code", "dshm"}
+    with pytest.raises(kuberay.KubeRayError, match="neither kind, pvc nor an object-store URI"):
+        kuberay.render("ddp", storage="/mnt/runs")
+
+
+def test_a_gpu_profile_without_image_is_refused_naming_image(capsys):
+    assert kuberay.main(["render", "--job", "tp2d", "--profile", "full"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "IMAGE=" in line and "jobs/tp2d/Containerfile" in line
+    assert line.count(". ") == 0  # one sentence
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (  # the old render: GPU pods on the stock CPU image
+            lambda c: c.update(image=kuberay.STOCK_IMAGE),
+            "requests GPUs but runs rayproject/ray:2.60.0-py311-cpu, a CPU image",
+        ),
+        (lambda c: c.update(volumeMounts=c["volumeMounts"][:-1]), "memory-backed /dev/shm"),
+        (lambda c: c["resources"]["requests"].update(cpu="1"), "requests equal to limits"),
+    ],
+)
+def test_broken_gpu_rayjobs_are_rejected(tp2d_gpu, schema, mutate, message):
+    rayjob = copy.deepcopy(tp2d_gpu["RayJob"])
+    (group,) = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    mutate(group["template"]["spec"]["containers"][0])
+    with pytest.raises(kuberay.KubeRayError, match=message):
+        kuberay.validate(rayjob, schema)
+
+
+def test_gpu_pods_on_a_hostpath_and_a_non_rwx_pvc_are_rejected(tp2d_gpu, schema):
+    rayjob = copy.deepcopy(tp2d_gpu["RayJob"])
+    (group,) = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    volumes = group["template"]["spec"]["volumes"]
+    (runs,) = [v for v in volumes if v["name"] == "runs"]
+    runs.pop("persistentVolumeClaim")
+    runs["hostPath"] = {"path": kuberay.KIND_RUNS_DIR, "type": "Directory"}
+    with pytest.raises(kuberay.KubeRayError, match="hostPath, which other nodes do not see"):
+        kuberay.validate(rayjob, schema)
+    pvc = copy.deepcopy(tp2d_gpu["PersistentVolumeClaim"])
+    pvc["spec"]["accessModes"] = ["ReadWriteOnce"]
+    with pytest.raises(kuberay.KubeRayError, match="must be ReadWriteMany"):
+        kuberay.validate(pvc)
+
+
+def test_rendered_yaml_is_plain_without_anchors(tp2d_gpu):
+    for manifest in tp2d_gpu.values():
+        text = kuberay.dump(manifest)
+        assert "&id" not in text and "*id" not in text
+        assert yaml.safe_load(text) == manifest
+    # The renderer does share dicts (the code volume in every pod); a default dump aliases them.
+    assert "&id" in yaml.safe_dump(tp2d_gpu["RayJob"])
+
+
+@pytest.mark.parametrize(
+    ("status", "done"),
+    [("Complete", True), ("Failed", True), ("ValidationFailed", True), ("Running", False),
+     ("Initializing", False), ("Retrying", False), ("", False)],
+)  # fmt: skip
+def test_run_stops_waiting_on_every_terminal_deployment_status(status, done):
+    assert kuberay.finished(status) is done
+
+
+def test_configmap_carries_only_the_jobs_import_closure(rendered):
+    job, configmap, rayjob = rendered
+    from ci.template import needed_shared_files
+
+    head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    (code,) = [v for v in head["volumes"] if "configMap" in v]
+    paths = {item["path"] for item in code["configMap"]["items"]}
+    expected = {f"jobs/{job}/main.py"}
+    expected |= {p.relative_to(REPO).as_posix() for p in needed_shared_files(job)}
+    assert paths == expected
+    assert not {p for p in paths if not p.endswith(".py")}  # no README, Containerfile
+    size = sum(len(k) + len(v.encode()) for k, v in configmap["data"].items())
+    assert size < kuberay.CONFIGMAP_LIMIT / 4  # far below the 1 MiB limit
+    if job == "env_check":
+        assert "shared/loop.py" not in paths  # env_check never imports the training loop
 
 
 def test_code_configmap_maps_back_to_the_repo_files(rendered):
@@ -105,7 +226,7 @@ def test_code_configmap_maps_back_to_the_repo_files(rendered):
     for item in items:
         assert configmap["data"][item["key"]] == (REPO / item["path"]).read_text()
     paths = {i["path"] for i in items}
-    assert f"jobs/{job}/main.py" in paths and "shared/loop.py" in paths
+    assert f"jobs/{job}/main.py" in paths and "shared/__init__.py" in paths
     # The submitter uploads working_dir, so it mounts the code as well as head and workers.
     submitter = rayjob["spec"]["submitterPodTemplate"]["spec"]
     assert any(
@@ -119,6 +240,11 @@ def test_rendered_files_are_written_and_reload(tmp_path, monkeypatch):
     assert [p.name for p in paths] == ["code-configmap.yaml", "rayjob.yaml"]
     assert yaml.safe_load(paths[1].read_text()) == manifests[1]
     assert kuberay.main(["validate", str(paths[1]), str(paths[0])]) == 0
+    # smoke on kind: the hostPath of the single kind node, no PVC
+    volumes = manifests[1]["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["volumes"]
+    assert {"path": kuberay.KIND_RUNS_DIR, "type": "Directory"} in [
+        v.get("hostPath") for v in volumes
+    ]
 
 
 # ------------------------------------------------------------------------------------------
