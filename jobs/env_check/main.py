@@ -37,7 +37,13 @@ from shared.launch import (
     scaling_config,
     torch_config,
 )
-from shared.precision import precision_support, supports_bf16
+from shared.precision import (
+    choose_dtype,
+    device_caps,
+    precision_support,
+    supports_bf16,
+    supports_fp16,
+)
 from shared.stack import register_process
 from shared.storage import write_json_atomic
 
@@ -85,6 +91,7 @@ def _sync(device: torch.device) -> None:
 
 
 def software_and_precision(device: torch.device) -> dict:
+    caps = device_caps(device)
     info = {
         "host": socket.gethostname(),
         "node_id": ray.get_runtime_context().get_node_id()[:12],
@@ -95,7 +102,12 @@ def software_and_precision(device: torch.device) -> dict:
         "device": torch.cuda.get_device_name(device)
         if device.type == "cuda"
         else platform.processor() or "cpu",
+        # bf16/fp16: native (hardware units) vs emulated (runs, slowly: bf16 on a T4, on CPU)
         **precision_support(device),
+        "capability": ".".join(map(str, caps.capability)) if caps.capability else "-",
+        # what dtype=auto trains in here: without and with loss scaling (ZeRO)
+        "auto_dtype": choose_dtype("auto", caps),
+        "auto_dtype_zero": choose_dtype("auto", caps, fp16_loss_scaling=True),
         "backend": dist.get_backend(),
     }
     return info
@@ -129,8 +141,10 @@ def allreduce_bandwidth(device: torch.device, sizes: list[int], iters: int) -> l
 def matmul_tflops(device: torch.device, n: int, iters: int) -> dict:
     results = {}
     dtypes = {"fp32": torch.float32}
-    if supports_bf16(device):
+    if supports_bf16(device):  # native only: emulated bf16 is no ceiling worth measuring
         dtypes["bf16"] = torch.bfloat16
+    if supports_fp16(device):
+        dtypes["fp16"] = torch.float16
     for name, dtype in dtypes.items():
         a = torch.randn(n, n, device=device, dtype=dtype)
         b = torch.randn(n, n, device=device, dtype=dtype)
@@ -186,7 +200,8 @@ def print_report(nodes: list[dict], workers: list[dict], allreduce: list[dict], 
         }
         for rank, w in enumerate(workers)
     ]
-    cols = ["rank", "host", "device", "torch", "cuda", "nccl", "backend", "bf16", "fp16"]
+    cols = ["rank", "host", "device", "capability", "torch", "cuda", "nccl", "backend", "bf16",
+            "fp16", "auto_dtype", "auto_dtype_zero"]  # fmt: skip
     cols += sorted(k for k in rows[0] if k.startswith("matmul_") and k != "matmul_tflops")
     table(rows, cols)
     print(f"\n== all-reduce across {world} workers")

@@ -23,8 +23,9 @@ PROFILES = {name: {**profile, "zero_stage": 3} for name, profile in GPT2_AG_NEWS
 
 def train_loop_per_worker(config: dict) -> None:
     cfg, session, model = start_gpt2_worker(config)
-    # bf16 where the hardware has it; fp32 otherwise (DeepSpeed refuses fp16 on CPU).
-    dtype = resolve_dtype(cfg.dtype, session.device)
+    # bf16 where the hardware has it natively; fp16 with DeepSpeed's dynamic loss scaling on
+    # GPUs with fp16 units only (T4); fp32 otherwise (DeepSpeed refuses fp16 on CPU).
+    dtype = resolve_dtype(cfg.dtype, session.device, fp16_loss_scaling=True)
     # The strategy: deepspeed.initialize builds the ZeRO engine from the config dict, inside
     # the gloo/NCCL process group Ray Train already created.
     strategy = ZeroStrategy(model, cfg, session.device, dtype)
