@@ -250,6 +250,22 @@ def global_order_batches(
             round_ = []
 
 
+def expand_pattern(path: str, filesystem=None) -> str | list[str]:
+    """A ``*`` pattern - one split of a dataset directory, e.g. ``.../train-*.parquet`` beside
+    ``validation-*`` and ``test-*`` - as the sorted files it matches (Ray Data's readers take
+    no patterns, and a directory would read every split); any other path unchanged."""
+    if "*" not in path:
+        return path
+    if filesystem is None:
+        from fsspec.implementations.local import LocalFileSystem
+
+        filesystem = LocalFileSystem()
+    files = sorted(filesystem.glob(path))
+    if not files:
+        raise FileNotFoundError(f"no files match {path}")
+    return files
+
+
 def _read_parquet(path: str, columns: list[str]):
     import ray.data
 
@@ -257,9 +273,10 @@ def _read_parquet(path: str, columns: list[str]):
         # The hub serves every dataset as parquet; HfFileSystem streams it like S3.
         from huggingface_hub import HfFileSystem
 
-        ds = ray.data.read_parquet(path[len("hf://") :], filesystem=HfFileSystem())
+        fs = HfFileSystem()
+        ds = ray.data.read_parquet(expand_pattern(path[len("hf://") :], fs), filesystem=fs)
     else:
-        ds = ray.data.read_parquet(path)
+        ds = ray.data.read_parquet(expand_pattern(path))
     return ds.select_columns(columns)
 
 

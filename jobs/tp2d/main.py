@@ -20,7 +20,8 @@ from shared.parallel.fsdp import apply_fsdp
 from shared.parallel.tp import TP2DStrategy, TPGroupSession, apply_tp, device_mesh_2d, placement
 from shared.precision import resolve_dtype
 
-WIKITEXT_103 = "hf://datasets/Salesforce/wikitext/wikitext-103-raw-v1/"
+# The train split only: the directory also holds validation-* and test-* parquet files.
+WIKITEXT_103_TRAIN = "hf://datasets/Salesforce/wikitext/wikitext-103-raw-v1/train-*.parquet"
 
 PROFILES = {
     # 4 workers on 2 cores: a quarter CPU each leaves one for Ray Data's tokenisation.
@@ -32,7 +33,7 @@ PROFILES = {
     # ~500M parameters on 2 nodes x 4 GPUs: TP inside each node, FSDP across the two.
     "full": dict(
         model="llama-500m", dp=2, tp=4, num_workers=8, use_gpu=True, cpus_per_worker=8,
-        dataset=WIKITEXT_103, tokenizer="gpt2", seq_len=2048, micro_batch_size=8,
+        dataset=WIKITEXT_103_TRAIN, tokenizer="gpt2", seq_len=2048, micro_batch_size=8,
         grad_accum=4, max_steps=5000, lr=3e-4, warmup_steps=200, checkpoint_every=500,
         log_every=20, max_failures=3,
     ),
