@@ -6,6 +6,7 @@ from shared.planner.hardware import Precision
 from shared.planner.specs import ModelSpec
 
 RECOMPUTE = ("none", "selective", "full")
+ATTENTION = ("sdpa", "eager")
 
 
 def layer_activation_bytes(
@@ -19,6 +20,7 @@ def layer_activation_bytes(
     recompute: str = "none",
     ffn: int = 0,
     gated: bool = False,
+    attention: str = "eager",
 ) -> float:
     """Bytes one transformer layer keeps for its backward, 16-bit activations.
 
@@ -28,11 +30,16 @@ def layer_activation_bytes(
     recomputation keeps the layer input, 2sbh (2sbh/t under SP). 34 = 18 + 4f/h and
     24 = 8 + 4f/h for an MLP of width f (= 4h in the paper); a gated MLP stores twice the
     inner activations.
+
+    ``attention="sdpa"`` (PyTorch's fused scaled_dot_product_attention: flash or memory-
+    efficient kernels, what shared/llama.py and transformers' GPT-2 use) never stores the
+    a*s*s score matrix, softmax or its dropout: the 5as/h term is gone whatever the
+    recomputation. ``"eager"`` is the paper's attention, which stores them.
     """
     if recompute == "full":
         return 2 * s * b * h / (t if sp else 1)
     mlp = 4 * (ffn or 4 * h) / h * (2 if gated else 1)
-    scores = 0.0 if recompute == "selective" else 5 * a * s / h
+    scores = 0.0 if recompute == "selective" or attention == "sdpa" else 5 * a * s / h
     if sp:
         return s * b * h / t * (18 + mlp + scores)
     return s * b * h * (10 + (8 + mlp) / t + scores / t)
@@ -49,15 +56,18 @@ def output_activation_bytes(s: int, b: int, h: int, v: int, *, t: int = 1, sp: b
 
 
 def activation_bytes(model: ModelSpec, s: int, b: int, precision: Precision, recompute: str,
-                     t: int = 1, sp: bool = False) -> float:  # fmt: skip
+                     t: int = 1, sp: bool = False, attention: str = "sdpa") -> float:  # fmt: skip
     """All layers, plus the one layer being recomputed under full recomputation (its
     activations exist again while its backward runs), plus the output layer."""
+    if not model.has_shape:
+        return 0.0  # --params alone: activations are not planned (the table says so)
     scale = precision.activation / 2  # the paper's formulas count 2-byte activations
     ffn = model.ffn * model.experts_per_token  # each token goes through top-k experts
 
     def layer(mode: str) -> float:
         return layer_activation_bytes(s, b, model.hidden, model.heads, t=t, sp=sp,
-                                      recompute=mode, ffn=ffn, gated=model.gated_mlp)  # fmt: skip
+                                      recompute=mode, ffn=ffn, gated=model.gated_mlp,
+                                      attention=attention)  # fmt: skip
 
     total = model.layers * layer(recompute)
     if recompute == "full":

@@ -91,6 +91,8 @@ class Settings:
     precision: Precision = PRECISIONS["bf16"]
     recompute: str = "none"
     tp: int = 1
+    attention: str = "sdpa"  # sdpa (fused kernels: no score matrix) | eager (stores it)
+    link: str = "nvlink"  # intra-node GPU link: nvlink | pcie
 
     @property
     def budget(self) -> int:
@@ -111,6 +113,8 @@ class Estimate:
     buffers: int = 0
     applicable: bool = True
     note: str = ""
+    micro_batch: int = 0  # the settings this row was computed at
+    recompute: str = ""
 
     def on_gpu(self, key: str) -> int:
         return 0 if key in self.offloaded else self.state.get(key, 0)
@@ -197,7 +201,7 @@ def gathered_block_bytes(model, settings, shards: int, tp: int = 1) -> int:
     """FSDP2 / ZeRO-3 working set: two blocks' unsharded params (the one computing and the one
     prefetched), one block's unsharded grads before the reduce-scatter, and the root module's
     params, kept gathered for the whole step. Nothing to gather on a single shard."""
-    if shards == 1:
+    if shards == 1 or not model.layers:
         return 0
     prec = settings.precision
     block = local_numel(model, tp, blocks=True) / model.layers
@@ -208,7 +212,7 @@ def gathered_block_bytes(model, settings, shards: int, tp: int = 1) -> int:
 def estimate_all(model: ModelSpec, settings: Settings) -> list[Estimate]:
     n, t, prec = settings.gpus, settings.tp, settings.precision
     s, b, rc = settings.seq_len, settings.micro_batch, settings.recompute
-    dense_acts = int(activation_bytes(model, s, b, prec, rc))
+    dense_acts = int(activation_bytes(model, s, b, prec, rc, attention=settings.attention))
     ddp_state = torch_adam_state(model, settings)
     ddp_buckets = ddp_state["grads"] if n > 1 else 0
     # ZeRO-1/2: the reduce bucket, and the fp32 copy of this rank's gradient partition that
@@ -238,6 +242,8 @@ def estimate_all(model: ModelSpec, settings: Settings) -> list[Estimate]:
         for row in rows[-3:]:
             row.applicable = False
             row.note = tp_unavailable_reason(model, settings)
+    for row in rows:
+        row.micro_batch, row.recompute = b, rc
     return rows
 
 
@@ -252,13 +258,16 @@ def tensor_parallel_estimates(model: ModelSpec, settings: Settings) -> list[Esti
     layout = f"tp={t} x dp={dp}"
     return [
         Estimate("tp", "TP", layout, tp_state, buffers=buckets,
-                 activations=int(activation_bytes(model, s, b, prec, rc, t=t))),
+                 activations=int(activation_bytes(model, s, b, prec, rc, t=t,
+                                                  attention=settings.attention))),
         Estimate("tp_sp", "TP + SP", layout, dict(tp_state), buffers=buckets,
-                 activations=int(activation_bytes(model, s, b, prec, rc, t=t, sp=True))),
+                 activations=int(activation_bytes(model, s, b, prec, rc, t=t, sp=True,
+                                              attention=settings.attention))),
         Estimate("tp_fsdp", "TP x DP (FSDP on dp)", layout,
                  torch_adam_state(model, settings, tp=t, fsdp=dp),
                  buffers=gathered_block_bytes(model, settings, dp, tp=t),
-                 activations=int(activation_bytes(model, s, b, prec, rc, t=t, sp=True))),
+                 activations=int(activation_bytes(model, s, b, prec, rc, t=t, sp=True,
+                                              attention=settings.attention))),
     ]  # fmt: skip
 
 

@@ -17,42 +17,113 @@ class Recommendation:
     key: str  # the strategy key, or "none"
     reason: str
     advice: list[str] = field(default_factory=list)  # PP / CP / EP and other hints
-    # Settings the recommendation needs that differ from the ones asked about.
-    changes: dict[str, object] = field(default_factory=dict)
+    # The settings the recommendation runs at: micro_batch, recompute, tp, grad_accum.
+    chosen: dict[str, object] = field(default_factory=dict)
+
+
+DATA_PARALLEL = ("ddp", "zero1", "zero2", "fsdp2", "zero3")  # preferred in this order
+TENSOR_PARALLEL = ("tp_sp", "tp_fsdp")
+MICRO_BATCHES = (8, 4, 2, 1)  # searched largest first when --micro-batch is not given
+
+
+@dataclass
+class Search:
+    """What the search may change: None = searched, a value = fixed by the user."""
+
+    micro_batch: int | None = None
+    recompute: str | None = None
+    global_batch: int | None = None  # sequences per optimizer step, when the user fixes it
+
+
+def data_parallel_degree(key: str, settings: Settings) -> int:
+    return settings.gpus // settings.tp if key in ("tp", *TENSOR_PARALLEL) else settings.gpus
+
+
+def candidates(settings: Settings, search: Search, dp: int) -> list[Settings]:
+    """The settings one strategy is tried at, most efficient first: no recomputation before
+    selective before full (recomputing costs up to one extra forward; a smaller micro-batch
+    costs little once a micro-batch holds a few thousand tokens), and within each, the largest
+    micro-batch. Selective recomputation only helps eager attention (it drops the scores that
+    SDPA never stores). With a global batch, each micro-batch must divide its per-rank share."""
+    if search.recompute:
+        levels = [search.recompute]
+    else:
+        levels = list(RECOMPUTE if settings.attention == "eager" else ("none", "full"))
+    batches = [search.micro_batch] if search.micro_batch else list(MICRO_BATCHES)
+    if search.global_batch:
+        per_rank = search.global_batch // dp if search.global_batch % dp == 0 else 0
+        batches = [m for m in batches if per_rank and per_rank % m == 0]
+    return [dataclasses.replace(settings, recompute=r, micro_batch=m)
+            for r in levels for m in batches]  # fmt: skip
+
+
+def search_rows(model: ModelSpec, settings: Settings, search: Search) -> list[Estimate]:
+    """Each strategy at the first candidate settings where it fits (or, if none does, at the
+    most memory-frugal one, marked as not fitting)."""
+    cache: dict[tuple, dict[str, Estimate]] = {}
+
+    def rows_at(st: Settings) -> dict[str, Estimate]:
+        key = (st.micro_batch, st.recompute)
+        if key not in cache:
+            cache[key] = {r.key: r for r in estimate_all(model, st)}
+        return cache[key]
+
+    chosen = []
+    for base in estimate_all(model, settings):
+        if not base.applicable:
+            chosen.append(base)
+            continue
+        dp = data_parallel_degree(base.key, settings)
+        options = candidates(settings, search, dp)
+        if not options:
+            base.applicable = False
+            base.note = (
+                f"a global batch of {search.global_batch} sequences does not split evenly over "
+                f"dp={dp} ranks."
+            )
+            chosen.append(base)
+            continue
+        rows = [rows_at(st)[base.key] for st in options]
+        fitting = [r for r in rows if r.fits(settings.budget)]
+        chosen.append(fitting[0] if fitting else min(rows, key=lambda r: r.columns["total"]))
+    return chosen
 
 
 def choose(model: ModelSpec, settings: Settings, rows: list[Estimate]) -> tuple[str, str] | None:
-    """The seed's framework, in order: everything fits -> DDP; the model states are what
-    overflow -> ZeRO-1, ZeRO-2, FSDP2 (least communication first); a layer too wide for data
-    parallelism (its activations or gathered parameters) -> TP + SP, then TP x FSDP; only
-    offload fits -> ZeRO-3 + CPU offload. None when nothing fits."""
+    """The framework, in order: DDP; the model states overflow -> ZeRO-1, ZeRO-2 (as much
+    communication as DDP), FSDP2, ZeRO-3 (1.5x); each already at the least recomputation and
+    largest micro-batch that fits. TP only when no data-parallel layout fits at micro-batch 1
+    with full recomputation (a layer is too wide) or the data-parallel degree cannot share the
+    global batch; then ZeRO-3 + CPU offload. None when nothing fits."""
     budget = settings.budget
     by_key = {r.key: r for r in rows}
-    fits = {r.key: r.fits(budget) for r in rows}
+    fits = {r.key: bool(r.fits(budget)) for r in rows}
     ddp = by_key["ddp"].columns
     states = ddp["params"] + ddp["grads"] + ddp["optimizer"]
     if fits["ddp"]:
         return "ddp", (
-            f"everything fits on one GPU ({format_size(ddp['total'])} of "
-            f"{format_size(budget)}): replicate the model; DDP's one gradient all-reduce per "
-            "step overlaps with the backward and nothing is gathered."
+            f"the whole model fits on each GPU ({format_size(ddp['total'])} of "
+            f"{format_size(budget)}): replicate it; DDP's one gradient all-reduce per step "
+            "overlaps with the backward and nothing is gathered."
         )
-    if ddp["activations"] + ddp["buffers"] < budget:
-        for key, why in (
-            ("zero1", "sharding the optimizer states alone is enough, and ZeRO-1 moves as many "
-                      "bytes as DDP (reduce-scatter + all-gather = all-reduce)"),
-            ("zero2", "sharding optimizer states and gradients is enough, and ZeRO-2 still "
-                      "moves as many bytes as DDP"),
-            ("fsdp2", "the parameters must be sharded too: FSDP2 (ZeRO-3) gathers each block "
-                      "before use, 1.5x DDP's communication"),
-        ):  # fmt: skip
-            if fits[key]:
-                biggest = max(("optimizer", "grads", "params"), key=lambda k: ddp[k])
-                return key, (
-                    f"optimizer/gradient-bound: DDP needs {format_size(ddp['total'])} per GPU, "
-                    f"{format_size(states)} of it model states ({biggest} the largest), over "
-                    f"the {format_size(budget)} budget; {why}."
-                )
+    for key, why in (
+        ("zero1", "sharding the optimizer states alone is enough, and ZeRO-1 moves as many "
+                  "bytes as DDP (reduce-scatter + all-gather = all-reduce)"),
+        ("zero2", "sharding optimizer states and gradients is enough, and ZeRO-2 still "
+                  "moves as many bytes as DDP"),
+        ("fsdp2", "the parameters must be sharded too: FSDP2 (ZeRO-3) gathers each block "
+                  "before use, 1.5x DDP's communication"),
+        ("zero3", "the parameters must be sharded too: ZeRO-3 gathers each block before use, "
+                  "1.5x DDP's communication"),
+    ):  # fmt: skip
+        if fits[key]:
+            biggest = max(("optimizer", "grads", "params"), key=lambda k: ddp[k])
+            return key, (
+                f"model-state-bound: DDP would hold {format_size(states)} of model states per "
+                f"GPU ({biggest} the largest), over the {format_size(budget)} budget; {why}."
+            )
+    link = "over PCIe, slow for TP: " if settings.link == "pcie" else ""
+    dp_blocked = [r for r in rows if r.key in DATA_PARALLEL and not r.applicable]
     for key, why in (
         ("tp_sp", "tensor parallelism splits every layer's matrices and, with sequence "
                   "parallelism, its activations over the TP group (keep it inside a node)"),
@@ -60,12 +131,17 @@ def choose(model: ModelSpec, settings: Settings, rows: list[Estimate]) -> tuple[
                     "remaining model states (jobs/tp2d)"),
     ):  # fmt: skip
         if fits[key]:
-            fsdp = by_key["fsdp2"].columns
-            return key, (
-                f"a layer is too wide for data parallelism alone: even FSDP2 needs "
-                f"{format_size(fsdp['total'])} per GPU ({format_size(fsdp['activations'])} of "
-                f"activations, {format_size(fsdp['buffers'])} of gathered parameters); {why}."
-            )
+            if dp_blocked:
+                because = f"data parallelism alone cannot: {dp_blocked[0].note.rstrip('.')}"
+            else:
+                fsdp = by_key["fsdp2"].columns
+                because = (
+                    f"a layer is too wide for data parallelism alone: even FSDP2 at micro-batch "
+                    f"1 with full recomputation needs {format_size(fsdp['total'])} per GPU "
+                    f"({format_size(fsdp['activations'])} of activations, "
+                    f"{format_size(fsdp['buffers'])} of gathered parameters)"
+                )
+            return key, f"{because}; {link}{why}."
     if fits["zero3_offload"]:
         row = by_key["zero3_offload"]
         return "zero3_offload", (
@@ -77,47 +153,38 @@ def choose(model: ModelSpec, settings: Settings, rows: list[Estimate]) -> tuple[
     return None
 
 
-def relaxations(settings: Settings) -> list[Settings]:
-    """The settings as given, then with more recomputation, then with halved micro-batches.
-
-    Recomputation first: selective costs a few percent (Korthikanti et al. report 2.7% for
-    GPT-3), full one extra forward; a smaller micro-batch makes every matmul less efficient
-    and needs gradient accumulation to keep the global batch."""
-    levels = RECOMPUTE[RECOMPUTE.index(settings.recompute) :]
-    batches, b = [], settings.micro_batch
-    while b >= 1:
-        batches.append(b)
-        b //= 2
-    return [dataclasses.replace(settings, recompute=r, micro_batch=b)
-            for b in batches for r in levels]  # fmt: skip
-
-
-def recommend(model: ModelSpec, settings: Settings, rows: list[Estimate]) -> Recommendation:
-    """Apply the framework to the settings as given; if nothing fits, to the first relaxation
-    that fits (saying which flags change); then add the advised-only parts (PP, CP, EP)."""
+def recommend(model: ModelSpec, settings: Settings, rows: list[Estimate],
+              search: Search | None = None) -> Recommendation:  # fmt: skip
+    """Apply the framework to the searched rows, say the settings it chose, then add the
+    advised-only parts (PP, CP, EP)."""
+    search = search or Search(settings.micro_batch, settings.recompute)
     advice = general_advice(model, settings, rows)
-    for relaxed in relaxations(settings):
-        relaxed_rows = rows if relaxed == settings else estimate_all(model, relaxed)
-        choice = choose(model, relaxed, relaxed_rows)
-        if choice is None:
-            continue
-        key, reason = choice
-        changes = {k: getattr(relaxed, k) for k in ("recompute", "micro_batch")
-                   if getattr(relaxed, k) != getattr(settings, k)}  # fmt: skip
-        if changes:
-            flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in changes.items())
-            reason = (
-                f"nothing fits as asked; with {flags}"
-                + (" (accumulate gradients to keep the global batch)" if "micro_batch" in changes
-                   else "")
-                + f": {reason}"
-            )  # fmt: skip
-        return Recommendation(key, reason, advice, changes)
-    most_relaxed = relaxations(settings)[-1]
-    advice = [*deep_model_advice(model, most_relaxed), *advice]
-    return Recommendation("none", (
-        f"no strategy fits {settings.gpus} x {format_size(settings.gpu_mem)}, not even with "
-        "full recomputation and micro-batch 1; see the advice."), advice)  # fmt: skip
+    choice = choose(model, settings, rows)
+    if choice is None:
+        frugal = dataclasses.replace(settings, micro_batch=1, recompute="full")
+        return Recommendation("none", (
+            f"no strategy fits {settings.gpus} x {format_size(settings.gpu_mem)}, not even with "
+            "full recomputation and micro-batch 1; see the advice."),
+            [*deep_model_advice(model, frugal), *advice])  # fmt: skip
+    key, reason = choice
+    row = next(r for r in rows if r.key == key)
+    dp = data_parallel_degree(key, settings)
+    chosen: dict[str, object] = {"micro_batch": row.micro_batch, "recompute": row.recompute}
+    if key in ("tp", *TENSOR_PARALLEL):
+        chosen["tp"] = settings.tp
+    if search.global_batch:
+        chosen["grad_accum"] = search.global_batch // (dp * row.micro_batch)
+    return Recommendation(key, reason, advice, chosen)
+
+
+def describe_choice(rec: Recommendation) -> str:
+    """'micro-batch 4, recompute full, tp 4' for the recommendation line."""
+    parts = [f"micro-batch {rec.chosen['micro_batch']}", f"recompute {rec.chosen['recompute']}"]
+    if "tp" in rec.chosen:
+        parts.append(f"tp {rec.chosen['tp']}")
+    if "grad_accum" in rec.chosen:
+        parts.append(f"gradient accumulation {rec.chosen['grad_accum']}")
+    return ", ".join(parts)
 
 
 def deep_model_advice(model: ModelSpec, settings: Settings) -> list[str]:
@@ -155,15 +222,17 @@ def general_advice(model: ModelSpec, settings: Settings, rows: list[Estimate]) -
     advice = []
     s, h, a, b = settings.seq_len, model.hidden, model.heads, settings.micro_batch
     scores = 5 * a * s / h  # Korthikanti et al.: the attention-score share of a layer
-    if settings.recompute == "none":
+    if settings.attention == "eager" and settings.recompute == "none":
         stored = next(r for r in rows if r.key == "ddp").activations
-        selective = activation_bytes(model, s, b, settings.precision, "selective")
+        selective = activation_bytes(
+            model, s, b, settings.precision, "selective", attention="eager"
+        )
         if stored > 1.5 * selective:
             advice.append(
                 f"attention scores dominate the activations (5as/h = {scores:.0f} against 34 "
-                f"for the rest of a layer): selective recomputation or flash attention cuts "
-                f"the data-parallel activations from {format_size(stored)} to "
-                f"{format_size(selective)} per GPU."
+                f"for the rest of a layer): selective recomputation or fused attention "
+                f"(--attention sdpa) cuts the data-parallel activations from "
+                f"{format_size(stored)} to {format_size(selective)} per GPU."
             )
     # The most the templates do for one sequence: TP + SP over a whole node, full recompute.
     node = max(settings.gpus_per_node, 1)

@@ -44,10 +44,22 @@ class ModelSpec:
     def n_params(self) -> int:
         return sum(t.numel for t in self.tensors)
 
+    def missing_shape(self) -> list[str]:
+        """The --params shape flags activations need and this model lacks."""
+        given = {"--layers": self.layers, "--hidden": self.hidden, "--heads": self.heads,
+                 "--vocab": self.vocab}  # fmt: skip
+        return [flag for flag, value in given.items() if not value]
+
+    @property
+    def has_shape(self) -> bool:
+        return not self.missing_shape()
+
     def describe(self) -> str:
         moe = f", {self.experts} experts (top-{self.experts_per_token})" if self.experts > 1 else ""
         count = self.n_params
         size = f"{count / 1e9:.3g}B" if count >= 1e9 else f"{count / 1e6:.3g}M"
+        if not self.has_shape:
+            return f"{self.name} ({size} params; shape not given)"
         return (
             f"{self.name} ({size} params: {self.layers} layers, hidden "
             f"{self.hidden}, {self.heads} heads, vocab {self.vocab}{moe})"
@@ -241,7 +253,8 @@ def from_counts(params: int, layers: int, hidden: int, heads: int, vocab: int,
                 ffn: int = 0, kv_heads: int = 0, seq_len: int = 0) -> ModelSpec:  # fmt: skip
     """Only the parameter count and the shape numbers activations need: the model states follow
     the ZeRO paper's Psi arithmetic (no per-tensor padding or step counters). One embedding
-    table (vocab x hidden) is taken as the non-block part, the rest as ``layers`` equal blocks."""
+    table (vocab x hidden) is taken as the non-block part, the rest as ``layers`` equal blocks.
+    With the count alone (shape numbers 0) only the model states can be planned."""
     embedding = min(params, vocab * hidden)
     tensors = (Tensor("embedding", (embedding,), 0, False),
                Tensor("blocks", (params - embedding,), 0, True))  # fmt: skip

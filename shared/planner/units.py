@@ -20,14 +20,20 @@ UNITS = {
 
 
 def parse_size(text: str, what: str) -> int:
-    """Bytes from '16GiB', '80GB', '80 GB', '17179869184' or '1.6e10'."""
+    """Bytes from '16GiB', '80GB', '80 GB', '17179869184' or '1.6e10'. A bare number below
+    1 MiB is refused: '--gpu-mem 16' means 16 GiB to a person and 16 bytes to the parser."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
     unit = match.group(2).lower() if match else ""
     if not match or unit not in UNITS and unit:
         raise ConfigError(
             f"cannot parse {what} '{text}': give bytes or a size such as 16GiB or 80GB."
         )
-    return int(float(match.group(1)) * UNITS[unit or "b"])
+    size = int(float(match.group(1)) * UNITS[unit or "b"])
+    if not unit and size < 1024**2:
+        raise ConfigError(
+            f"{what} '{text}' is {size} bytes: give a unit, such as {text}GiB or {text}GB."
+        )
+    return size
 
 
 def format_size(n: float) -> str:
