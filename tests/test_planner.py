@@ -24,6 +24,7 @@ from shared.planner import (
     estimate_all,
     from_preset,
     layer_activation_bytes,
+    measure,
     zero_paper_bytes_per_gpu,
 )
 
@@ -456,3 +457,31 @@ def test_sdpa_drops_the_score_term_and_eager_keeps_it(capsys):
     sdpa = rows["sdpa"]["ddp"]["bytes_per_gpu"]["activations"] / 1024**3
     eager = rows["eager"]["ddp"]["bytes_per_gpu"]["activations"] / 1024**3
     assert eager == pytest.approx(231, rel=0.01) and sdpa == pytest.approx(71, rel=0.03)
+
+
+# ------------------------------------------------------------------------------------------
+# activations: the planner against the bytes autograd really keeps, per layer, on the CPU
+# (issue 16 item 2); docs/planner.md shows the same table
+
+
+@pytest.mark.parametrize("point", measure.POINTS, ids=lambda p: p.label())
+def test_planned_activations_match_the_measured_bytes_of_every_layer(point):
+    per_layer, _ = measure.measure(point)
+    planned = measure.planned_layer_bytes(point)
+    assert len(per_layer) == point.layers
+    for i, measured in enumerate(per_layer):
+        assert measured == pytest.approx(planned, rel=0.05), f"layer {i}"
+
+
+def test_measured_table_covers_both_models_tp_and_recompute():
+    points = measure.POINTS
+    assert {p.model for p in points} == {"gpt2", "llama"} and len(points) >= 6
+    assert {p.tp for p in points} >= {1, 2, 4} and {p.recompute for p in points} >= {"none", "full"}
+
+
+def test_eager_attention_keeps_the_score_term_that_sdpa_drops():
+    """The measured formulas are for SDPA; --attention eager is Korthikanti et al.'s."""
+    s, b, h, a = 2048, 1, 4096, 32
+    eager = layer_activation_bytes(s, b, h, a)
+    sdpa = layer_activation_bytes(s, b, h, a, attention="sdpa")
+    assert eager - sdpa == pytest.approx(s * b * h * 5 * a * s / h)

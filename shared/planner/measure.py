@@ -23,8 +23,10 @@ from torch.utils._pytree import tree_flatten
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's shard on this rank (TP), else the tensor itself."""
-    return getattr(t, "_local_tensor", t)
+    """A DTensor's shard on this rank (TP), unwrapped from a pending collective, else the
+    tensor itself."""
+    t = getattr(t, "_local_tensor", t)
+    return getattr(t, "elem", t)  # AsyncCollectiveTensor: the collective's output
 
 
 class LiveStorageTracker(TorchDispatchMode):
@@ -35,14 +37,16 @@ class LiveStorageTracker(TorchDispatchMode):
         self.owner = "other"
         self.storages: dict[int, tuple[str, StorageWeakRef, int]] = {}
 
+    def note(self, t: torch.Tensor, owner: str) -> None:
+        storage = _local(t).untyped_storage()
+        if storage._cdata not in self.storages:
+            self.storages[storage._cdata] = (owner, StorageWeakRef(storage), storage.nbytes())
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                storage = _local(t).untyped_storage()
-                key = storage._cdata
-                if key not in self.storages:
-                    self.storages[key] = (self.owner, StorageWeakRef(storage), storage.nbytes())
+                self.note(t, self.owner)
         return out
 
     def alive_bytes(self, exclude: set[int]) -> dict[str, int]:
@@ -62,7 +66,10 @@ def saved_bytes_per_block(model: torch.nn.Module, blocks, input_ids: torch.Tenso
     handles = []
     for i, block in enumerate(blocks):
 
-        def enter(_module, _args, i=i):
+        def enter(_module, args, i=i):
+            # The block's input belongs to what produced it (the previous block, or the
+            # embedding, whose TP reduce-scatter only materializes here).
+            tracker.note(args[0], "other")
             tracker.owner = f"layer{i}"
 
         def leave(_module, _args, _out):
@@ -95,6 +102,8 @@ class Point:
     recompute: str = "none"  # none | full (the models' gradient checkpointing)
     vocab: int = 256
     attention: str = "sdpa"  # sdpa | eager (GPT-2 only)
+    dtype: str = "fp32"  # fp32 | bf16 (the whole model in bf16, as FSDP2's param_dtype runs it)
+    dropout: float = 0.0  # GPT-2 only
 
     def label(self) -> str:
         kv = f", kv {self.kv_heads}" if self.kv_heads and self.kv_heads != self.heads else ""
@@ -102,7 +111,36 @@ class Point:
             f"{self.model} b={self.batch} s={self.seq} h={self.hidden} a={self.heads}{kv} "
             f"tp={self.tp} recompute={self.recompute}"
             + (f" attention={self.attention}" if self.attention != "sdpa" else "")
+            + (f" {self.dtype}" if self.dtype != "fp32" else "")
+            + (f" dropout={self.dropout}" if self.dropout else "")
         )
+
+
+def planned_spec(point: Point):
+    """The planner's ModelSpec for the model ``_build`` makes."""
+    from shared.planner.specs import ModelSpec, _llama_spec, gpt2_tensors
+
+    if point.model == "llama":
+        return _llama_spec(f"{point.model}", point.hidden, point.layers, point.heads,
+                           point.kv_heads or point.heads, _llama_ffn(point.hidden), point.vocab,
+                           point.seq, layout="llama")  # fmt: skip
+    return ModelSpec(point.model, point.layers, point.hidden, point.heads, point.heads,
+                     4 * point.hidden, point.vocab, point.seq,
+                     gpt2_tensors(point.layers, point.hidden, point.vocab, point.seq),
+                     dropout=point.dropout > 0, layout="gpt2")  # fmt: skip
+
+
+def planned_layer_bytes(point: Point) -> float:
+    """What the planner says one layer keeps, for this configuration."""
+    from shared.planner.activations import layer_bytes
+    from shared.planner.hardware import PRECISIONS
+
+    return layer_bytes(planned_spec(point), point.seq, point.batch, PRECISIONS[point.dtype],
+                       point.recompute, t=point.tp, sp=point.tp > 1)  # fmt: skip
+
+
+def _llama_ffn(hidden: int) -> int:
+    return int(8 * hidden / 3) // 8 * 8  # Llama's 2/3 x 4h, rounded to a multiple of 8
 
 
 def _build(point: Point) -> tuple[torch.nn.Module, torch.nn.ModuleList]:
@@ -111,19 +149,20 @@ def _build(point: Point) -> tuple[torch.nn.Module, torch.nn.ModuleList]:
 
         preset = LlamaPreset(
             dim=point.hidden, n_layers=point.layers, n_heads=point.heads,
-            n_kv_heads=point.kv_heads or point.heads, ffn_dim=int(8 * point.hidden / 3) // 8 * 8,
+            n_kv_heads=point.kv_heads or point.heads, ffn_dim=_llama_ffn(point.hidden),
             max_seq_len=point.seq,
         )  # fmt: skip
         model = Llama(preset, point.vocab)
         return model, model.layers
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    # As shared.models.build_gpt2 configures it (use_cache left at its default, as the jobs do).
     config = GPT2Config(
         vocab_size=point.vocab, n_positions=point.seq, n_embd=point.hidden,
-        n_layer=point.layers, n_head=point.heads, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, attn_implementation=point.attention,
+        n_layer=point.layers, n_head=point.heads, resid_pdrop=point.dropout,
+        embd_pdrop=point.dropout, attn_pdrop=point.dropout,
     )  # fmt: skip
-    model = GPT2LMHeadModel(config)
+    model = GPT2LMHeadModel._from_config(config, attn_implementation=point.attention)
     return model, model.transformer.h
 
 
@@ -146,6 +185,7 @@ def measure(point: Point) -> tuple[list[int], int]:
     """Bytes per layer (fp32 activations) and the rest, for one configuration."""
     torch.manual_seed(0)
     model, blocks = _build(point)
+    model.to({"fp32": torch.float32, "bf16": torch.bfloat16}[point.dtype])
     if point.recompute == "full":
         model.gradient_checkpointing_enable({"use_reentrant": False})
     model.train()
@@ -183,3 +223,35 @@ class _ForwardOnly(torch.nn.Module):
 
     def forward(self, x):
         return self.run(self.model, x)
+
+
+# docs/planner.md's table and tests/test_planner.py's cases: both models, both dtypes, GQA,
+# tp 2 and 4 with sequence parallelism, full recomputation, several (b, s, h, a).
+POINTS = (
+    Point("gpt2", 2, 32, 64, 4),
+    Point("gpt2", 1, 64, 96, 6, layers=3),
+    Point("gpt2", 2, 32, 64, 4, dtype="bf16"),
+    Point("gpt2", 2, 32, 64, 4, recompute="full"),
+    Point("llama", 2, 32, 64, 4, kv_heads=2),
+    Point("llama", 2, 32, 64, 4, kv_heads=2, dtype="bf16"),
+    Point("llama", 2, 32, 64, 4, kv_heads=2, tp=2, layers=3),
+    Point("llama", 1, 64, 128, 8, kv_heads=4, tp=4, layers=3),
+    Point("llama", 2, 32, 64, 4, kv_heads=2, recompute="full"),
+    Point("llama", 2, 32, 64, 4, kv_heads=2, tp=2, recompute="full", layers=3),
+)
+
+
+def markdown_table(points=POINTS) -> str:
+    rows = ["| configuration | measured per layer (bytes) | planned (bytes) | difference |",
+            "|---|---|---|---|"]  # fmt: skip
+    for point in points:
+        per_layer, _ = measure(point)
+        planned = planned_layer_bytes(point)
+        worst = max(abs(m / planned - 1) for m in per_layer)
+        measured = ", ".join(str(m) for m in dict.fromkeys(per_layer))
+        rows.append(f"| {point.label()} | {measured} | {planned:.0f} | {worst:.2%} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

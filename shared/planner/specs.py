@@ -35,6 +35,10 @@ class ModelSpec:
     default_seq_len: int
     tensors: tuple[Tensor, ...]
     gated_mlp: bool = False  # SwiGLU (Llama) vs GELU (GPT-2)
+    dropout: bool = False  # GPT-2 presets train with dropout 0.1 (masks are saved)
+    # Whose activations: "gpt2" (transformers' GPT-2 as shared.models builds it), "llama"
+    # (shared.llama), "generic" (any other model: Korthikanti et al.'s formula).
+    layout: str = "generic"
     experts: int = 1  # MoE experts per layer (1 = dense)
     experts_per_token: int = 1
     # --params: only the count is known, so there are no per-tensor step counters or padding.
@@ -175,6 +179,8 @@ def from_preset(name: str, vocab: int = 0, seq_len: int = 0) -> ModelSpec:
             vocab,
             p.n_positions,
             gpt2_tensors(p.n_layer, p.n_embd, vocab, positions),
+            dropout=p.dropout > 0,
+            layout="gpt2",
         )
     if name in LLAMA_PRESETS or name in LLAMA2_SHAPES:
         if name in LLAMA_PRESETS:
@@ -184,12 +190,13 @@ def from_preset(name: str, vocab: int = 0, seq_len: int = 0) -> ModelSpec:
             vocab, context = vocab or GPT2_VOCAB, p.max_seq_len
         else:
             dims, vocab, context = LLAMA2_SHAPES[name], vocab or LLAMA2_VOCAB, LLAMA2_CONTEXT
-        return _llama_spec(name, **dims, vocab=vocab, context=context)
+        # shared.llama builds all of these (the Llama 2 shapes too, as jobs/tp2d would).
+        return _llama_spec(name, **dims, vocab=vocab, context=context, layout="llama")
     raise ConfigError(f"unknown preset '{name}'; valid presets: {', '.join(preset_names())}.")
 
 
-def _llama_spec(name, dim, n_layers, n_heads, n_kv_heads, ffn_dim, vocab, context,
-                tied=False, experts=1, experts_per_token=1) -> ModelSpec:  # fmt: skip
+def _llama_spec(name, dim, n_layers, n_heads, n_kv_heads, ffn_dim, vocab, context, tied=False,
+                experts=1, experts_per_token=1, layout="generic") -> ModelSpec:  # fmt: skip
     tensors = llama_tensors(n_layers, dim, n_heads, n_kv_heads, ffn_dim, vocab, tied, experts)
     return ModelSpec(
         name,
@@ -204,6 +211,7 @@ def _llama_spec(name, dim, n_layers, n_heads, n_kv_heads, ffn_dim, vocab, contex
         gated_mlp=True,
         experts=experts,
         experts_per_token=experts_per_token,
+        layout=layout,
     )
 
 
@@ -232,7 +240,9 @@ def from_hf_config(path: str, vocab: int = 0, seq_len: int = 0) -> ModelSpec:
         positions = max(int(cfg.get("n_positions", 1024)), seq_len)
         tensors = gpt2_tensors(layers, hidden, vocab, positions, ffn)
         return ModelSpec(name, layers, hidden, heads, heads, ffn, vocab,
-                         int(cfg.get("n_positions", 1024)), tensors)  # fmt: skip
+                         int(cfg.get("n_positions", 1024)), tensors,
+                         dropout=float(cfg.get("resid_pdrop", 0.1)) > 0,
+                         layout="gpt2")  # fmt: skip
     heads = need("num_attention_heads")
     return _llama_spec(
         name,
