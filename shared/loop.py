@@ -343,9 +343,10 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
             reason = nonfinite_reason(cfg, strategy, row)
             if any_rank(bool(reason), session.device):
                 profiler.close()
+                summary = stop_diverged(cfg, strategy, session, state, tracker, row, reason,
+                                        resumed_from, last_saved)  # fmt: skip
                 outputs.finish(tracker)
-                return stop_diverged(cfg, strategy, session, state, tracker, row, reason,
-                                     resumed_from, last_saved)  # fmt: skip
+                return summary
             _after_step(cfg, strategy, session, state, tracker, row, resumed_from)
             if checkpoint_due(cfg, state.step):
                 last_saved = state.step
