@@ -88,10 +88,10 @@ class OutputFilter:
 
     def keep(self, line: str) -> bool:
         plain = _REPEATED.sub("", _ANSI.sub("", line))
-        if _BENIGN.search(plain):
+        match = _PREFIX.match(plain)
+        if _BENIGN.search(match["message"] if match else plain):
             self.hidden += 1
             return False
-        match = _PREFIX.match(plain)
         if match is None:
             return True  # the driver's own lines
         source, message = match["source"], match["message"]
