@@ -39,10 +39,8 @@ GENERATED_DATA = {
     "seed": "the generated dataset (dataset is empty) depends on it",
     "smoke_rows": "the generated dataset (dataset is empty) depends on it",
 }
-BATCH = {
-    "global_batch_size": "a step and the data position mean that many sequences",
-    "num_workers": "each worker's data shard, and so the data position, depends on it",
-}
+# A different world size is fine as long as the global batch stays (grad_accum adapts).
+BATCH = {"global_batch_size": "a step and the data position mean that many sequences"}
 # Who a run is, not how it trains: never compared.
 IDENTITY = ("run_name", "storage_path")
 
@@ -53,8 +51,8 @@ def contract(cfg) -> dict[str, tuple[Any, str]]:
              if hasattr(cfg, name)}  # fmt: skip
     if not getattr(cfg, "dataset", "x"):
         terms |= {name: (getattr(cfg, name), why) for name, why in GENERATED_DATA.items()}
-    # An elastic job that keeps the checkpoint's global batch (jobs/fault_tolerance) re-deals
-    # the data in one global order, so its world size and batch split may change.
+    # An elastic job that keeps the checkpoint's global batch (jobs/fault_tolerance) adapts
+    # grad_accum to any world size by itself.
     if hasattr(cfg, "global_batch_size") and not getattr(cfg, "keep_global_batch", False):
         terms |= {name: (getattr(cfg, name), why) for name, why in BATCH.items()}
     return terms

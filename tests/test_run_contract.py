@@ -56,7 +56,7 @@ def test_a_resume_that_changes_seq_len_is_refused_naming_both_values(tmp_path):
     ("change", "named"),
     [
         ({"micro_batch_size": 4}, "global_batch_size=16"),  # 8 x 1 x 2 -> 4 x 1 x 2
-        ({"num_workers": 1, "grad_accum": 2}, "num_workers=2"),  # same batch, other shards
+        ({"num_workers": 1}, "global_batch_size=16"),
         ({"model": "gpt2"}, "model=gpt2-tiny"),
         ({"dtype": "bf16"}, "dtype=auto"),
         ({"seed": 1}, "seed=0"),  # the generated dataset depends on it
@@ -84,6 +84,15 @@ def test_harmless_changes_are_applied_and_listed(tmp_path):
 def test_without_a_checkpoint_nothing_is_resumed_so_nothing_is_refused(tmp_path):
     check_resume(start(tmp_path))
     assert check_resume(start(tmp_path, seq_len=32)) == []
+
+
+def test_a_world_size_change_that_keeps_the_global_batch_is_allowed(tmp_path):
+    first = start(tmp_path)
+    check_resume(first)
+    checkpointed(first)
+    assert check_resume(start(tmp_path, num_workers=1, grad_accum=2)) == [
+        "num_workers 2 -> 1", "grad_accum 1 -> 2"
+    ]
 
 
 def test_an_elastic_job_may_change_its_world_size(tmp_path):
@@ -264,3 +273,14 @@ def test_the_drivers_own_lines_pass_unchanged():
         "Traceback (most recent call last):",
         "error: x",
     ]
+
+
+def test_the_readme_quotes_the_refusal_the_code_prints(tmp_path):
+    from conftest import REPO
+
+    first = start(tmp_path)
+    check_resume(first)
+    checkpointed(first)
+    with pytest.raises(ConfigError) as err:
+        check_resume(start(tmp_path, seq_len=32))
+    assert f"`error: {err.value}`" in (REPO / "README.md").read_text()
