@@ -101,8 +101,6 @@ def _private_temp_root() -> tuple[str, bool]:
 @contextlib.contextmanager
 def ray_cluster(cfg, token_file: str | None = None) -> Iterator[ClusterInfo]:
     """Connect (or start), yield, and always disconnect; a local cluster is stopped."""
-    import ray
-
     address = cfg.ray_address or os.environ.get("RAY_ADDRESS", "")
     temp_root, created_temp_root = "", False
     logs_dir = "the Ray cluster's log files"

@@ -203,7 +203,7 @@ def check_text_dataset(source: TextSource, files_to_count: int = 16) -> None:
                  if f.type == pafs.FileType.File]  # fmt: skip
         parquet = sorted(f.path for f in files if f.path.endswith(".parquet"))
         if not parquet:
-            found = f" (it has {len(files)} other files, e.g. {files[0].base_name})" if files else ""
+            found = f" (it has {len(files)} other files, e.g. {files[0].base_name})" * bool(files)
             raise ConfigError(
                 f"dataset directory '{path}' has no .parquet files{found}; the jobs read "
                 "parquet only: convert the data (e.g. pandas.read_csv(...).to_parquet(...))."
@@ -223,7 +223,9 @@ def check_text_dataset(source: TextSource, files_to_count: int = 16) -> None:
                 schema = metadata.schema.to_arrow_schema()
         except (pa.ArrowInvalid, OSError) as err:
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise ConfigError(f"dataset file '{file}' is not readable parquet ({reason}).") from None
+            raise ConfigError(
+                f"dataset file '{file}' is not readable parquet ({reason})."
+            ) from None
         if source.text_column not in schema.names:
             raise ConfigError(
                 f"dataset file '{file}' has no column '{source.text_column}' (columns: "

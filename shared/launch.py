@@ -290,8 +290,11 @@ def summarize(run: JobRun, wall_s: float, error: BaseException | None) -> dict:
     summary = {
         "job": cfg.job,
         "profile": cfg.profile,
-        "status": "diverged" if isinstance(error, TrainingDiverged) else
-                  "failed" if error else "succeeded",  # fmt: skip
+        "status": "diverged"
+        if isinstance(error, TrainingDiverged)
+        else "failed"
+        if error
+        else "succeeded",  # fmt: skip
         "world_size": metrics.get("world_size", cfg.num_workers),
         "steps": metrics.get("diverged_at_step", metrics.get("checkpoint_step")),
         "initial_loss": metrics.get("initial_loss"),

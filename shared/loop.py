@@ -207,7 +207,8 @@ def nonfinite_reason(cfg, strategy: Strategy, row: dict) -> str:
 
 
 def stop_diverged(cfg, strategy, session, state: TrainState, tracker: StepMetrics, row: dict,
-                  reason: str, resumed_from: int | None, last_saved: int | None) -> dict:  # fmt: skip
+                  reason: str, resumed_from: int | None,
+                  last_saved: int | None) -> dict:  # fmt: skip
     """No checkpoint for this step (the weights are not trustworthy): say so, record it for
     the driver and return the summary with ``status: diverged``."""
     summary = {

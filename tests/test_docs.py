@@ -31,7 +31,11 @@ def makefile_targets() -> set[str]:
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
 def test_every_make_target_the_docs_name_exists(doc: Path):
-    named = {m for code in code_of(doc.read_text()) for m in re.findall(r"\bmake ([a-z][a-z0-9-]*)", code)}  # noqa: E501
+    named = {
+        m
+        for code in code_of(doc.read_text())
+        for m in re.findall(r"\bmake ([a-z][a-z0-9-]*)", code)
+    }  # noqa: E501
     assert named - makefile_targets() == set()
 
 

@@ -141,7 +141,8 @@ def strict_rows(path) -> list[dict]:
     def refuse(constant):
         raise ValueError(f"non-JSON constant {constant} in {path}")
 
-    return [json.loads(line, parse_constant=refuse) for line in open(path) if line.strip()]
+    with open(path) as f:
+        return [json.loads(line, parse_constant=refuse) for line in f if line.strip()]
 
 
 def test_a_diverging_run_stops_without_writing_non_finite_checkpoints(tmp_path, blocks):
@@ -163,7 +164,8 @@ def test_a_diverging_run_stops_without_writing_non_finite_checkpoints(tmp_path, 
     assert [r["step"] for r in rows] == list(range(1, step + 1))
     bad = rows[-1]
     assert bad["nonfinite"] and all(bad[key] is None for key in bad["nonfinite"])
-    record = json.loads(open(os.path.join(cfg.run_dir, "divergence.json")).read())
+    with open(os.path.join(cfg.run_dir, "divergence.json")) as f:
+        record = json.load(f)
     assert record["diverged_at_step"] == step and record["status"] == "diverged"
 
 
