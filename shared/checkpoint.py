@@ -41,6 +41,7 @@ class TrainState:
     world_size: int = 1  # of the run that wrote it
     global_batch_size: int = 0  # sequences per optimizer step when it was written
     samples_per_epoch: dict[str, int] = dataclasses.field(default_factory=dict)  # finished epochs
+    initial_loss: float | None = None  # the run's first step ever (survives resumes)
 
     def samples_seen(self) -> dict[str, int]:
         """Sequences trained on per epoch, all ranks together (the current epoch so far)."""

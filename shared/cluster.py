@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from shared.config import ConfigError
+from shared.log_filter import filtered_output
 
 # Read by Ray Train on the driver and propagated to the controller and every worker.
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")  # the Train API these templates use
@@ -100,17 +101,27 @@ def _private_temp_root() -> tuple[str, bool]:
 @contextlib.contextmanager
 def ray_cluster(cfg, token_file: str | None = None) -> Iterator[ClusterInfo]:
     """Connect (or start), yield, and always disconnect; a local cluster is stopped."""
-    import ray
-
     address = cfg.ray_address or os.environ.get("RAY_ADDRESS", "")
     temp_root, created_temp_root = "", False
+    logs_dir = "the Ray cluster's log files"
+    if not address:
+        temp_root, created_temp_root = _private_temp_root()
+        logs_dir = f"{temp_root}/ray/session_latest/logs"
+    # Known-benign Ray/torch lines and worker tracebacks are kept out of the driver's output
+    # (shared/log_filter.py); the log files keep everything.
+    with filtered_output(logs_dir, enabled=not getattr(cfg, "verbose", False)):
+        yield from _connect(cfg, address, token_file, temp_root, created_temp_root)
+
+
+def _connect(cfg, address, token_file, temp_root, created_temp_root):
+    import ray
+
     quiet = {"log_to_driver": True, "configure_logging": True, "logging_level": "WARNING"}
     if address:
         context = ray.init(address=address, **quiet)
         info = ClusterInfo(address, False, getattr(context, "dashboard_url", None))
     else:
         _enable_local_token_auth(token_file)
-        temp_root, created_temp_root = _private_temp_root()
         context = ray.init(
             address="local",
             include_dashboard=True,

@@ -134,6 +134,9 @@ class TrainConfig(BaseConfig):
     profile_steps: str = setting(
         "", "Torch-profile steps a-b (e.g. 3-5) on every rank into <run_dir>/profile/; empty = off."
     )
+    verbose: bool = setting(
+        False, "Print Ray Data's full statistics (always in <run_dir>/data_stats.txt)."
+    )
 
     @property
     def global_batch_size(self) -> int:
@@ -429,11 +432,13 @@ def default_run_name(profile: str) -> str:
     return f"{profile}-{job_id}" if job_id else f"{profile}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def describe(cls: type) -> str:
-    """One line per setting with its default and help, for ``--help``."""
+def describe(cls: type, profile: dict[str, Any] | None = None) -> str:
+    """One line per setting with its value in ``profile`` (else the default) and its help."""
+    profile = profile or {}
     lines = []
     for name, f in user_fields(cls).items():
-        lines.append(f"  {name}={f.default!r:<14} {f.metadata.get('help', '')}")
+        value = profile.get(name, f.default)
+        lines.append(f"  {name}={value!r:<14} {f.metadata.get('help', '')}")
     return "\n".join(lines)
 
 
@@ -445,13 +450,17 @@ def parse_args(
     description: str = "",
 ) -> Any:
     """Parse ``[--profile P] key=value ...``; on bad input print one line and exit 2."""
+    # --help lists the values of the profile it runs with (--profile full --help: full's).
+    chosen, _ = _profile_parser(add_help=False).parse_known_args(argv)
+    profile = chosen.profile if chosen.profile in profiles else "smoke"
     parser = argparse.ArgumentParser(
         prog=f"jobs/{job}/main.py",
         description=description,
-        epilog="settings (key=value):\n" + describe(cls),
+        epilog=f"settings (key=value), with the {profile} profile's values:\n"
+        + describe(cls, profiles.get(profile)),
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        parents=[_profile_parser(add_help=False)],
     )
-    parser.add_argument("--profile", default="smoke", help="smoke (default) or full")
     parser.add_argument(
         "--print-config",
         action="store_true",
@@ -470,6 +479,12 @@ def parse_args(
         print(json.dumps({"job": job, "profile": cfg.profile, **resolved_settings(cfg)}))
         raise SystemExit(0)
     return cfg
+
+
+def _profile_parser(add_help: bool) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(add_help=add_help)
+    parser.add_argument("--profile", default="smoke", help="smoke (default) or full")
+    return parser
 
 
 def resolved_settings(cfg: BaseConfig) -> dict[str, Any]:

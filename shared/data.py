@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from shared import storage
 from shared.storage import atomic_directory
 
 EOS = "<|endoftext|>"
@@ -170,6 +171,70 @@ def resolve_text_source(cfg: Any) -> TextSource:
         tokenizer=cfg.tokenizer or generated.tokenizer,
         text_column=cfg.text_column,
     )
+
+
+def _dataset_filesystem(path: str):
+    """(pyarrow filesystem, path inside it) for a local path, ``s3://`` or ``hf://`` URI."""
+    if path.startswith("hf://"):
+        import pyarrow.fs as pafs
+        from huggingface_hub import HfFileSystem
+
+        return pafs.PyFileSystem(pafs.FSSpecHandler(HfFileSystem())), path[len("hf://") :]
+    return storage.filesystem(path)
+
+
+def check_text_dataset(source: TextSource, files_to_count: int = 16) -> None:
+    """What Ray Data would find out only after the cluster started, from parquet metadata:
+    the path holds parquet files (Ray reads only ``*.parquet``), they are readable, have the
+    text column and rows. Raises ConfigError with one sentence."""
+    import pyarrow as pa
+    import pyarrow.fs as pafs
+    import pyarrow.parquet as pq
+
+    from shared.config import ConfigError
+
+    path = source.dataset
+    fs, inner = _dataset_filesystem(path)
+    info = fs.get_file_info(inner)
+    if info.type == pafs.FileType.NotFound:
+        raise ConfigError(f"dataset '{path}' does not exist.")
+    if info.type == pafs.FileType.Directory:
+        files = [f for f in fs.get_file_info(pafs.FileSelector(inner, recursive=True))
+                 if f.type == pafs.FileType.File]  # fmt: skip
+        parquet = sorted(f.path for f in files if f.path.endswith(".parquet"))
+        if not parquet:
+            found = f" (it has {len(files)} other files, e.g. {files[0].base_name})" * bool(files)
+            raise ConfigError(
+                f"dataset directory '{path}' has no .parquet files{found}; the jobs read "
+                "parquet only: convert the data (e.g. pandas.read_csv(...).to_parquet(...))."
+            )
+    elif not inner.endswith(".parquet"):
+        raise ConfigError(
+            f"dataset '{path}' is not a .parquet file; the jobs read parquet only: convert it "
+            "(e.g. pandas.read_csv(...).to_parquet(...)) or point dataset= at a parquet file."
+        )
+    else:
+        parquet = [inner]
+    rows = 0
+    for file in parquet[:files_to_count]:  # footers only; stop once rows are found
+        try:
+            with fs.open_input_file(file) as f:
+                metadata = pq.ParquetFile(f).metadata
+                schema = metadata.schema.to_arrow_schema()
+        except (pa.ArrowInvalid, OSError) as err:
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ConfigError(
+                f"dataset file '{file}' is not readable parquet ({reason})."
+            ) from None
+        if source.text_column not in schema.names:
+            raise ConfigError(
+                f"dataset file '{file}' has no column '{source.text_column}' (columns: "
+                f"{', '.join(schema.names)}); set text_column= to the column holding the text."
+            )
+        rows += metadata.num_rows
+        if rows:
+            return
+    raise ConfigError(f"dataset '{path}' has no rows.")
 
 
 # ------------------------------------------------------------------------------------------

@@ -23,15 +23,25 @@ from typing import Any
 import numpy as np
 import torch
 
+from shared import storage
 from shared.cluster import ClusterInfo, check_local_resources, ray_cluster, train_worker_nodes
 from shared.config import ConfigError, user_fields
 from shared.data import global_order_batches, skip_consumed
+from shared.loop import DIVERGENCE_FILE
+from shared.metrics import strict_json
+from shared.run_settings import check_resume
 from shared.stack import DRIVER, register_process
-from shared.storage import write_json_atomic
 
 SUMMARY_KEYS = (
     "job", "profile", "status", "world_size", "steps", "initial_loss", "final_loss",
     "tokens_per_s", "time_to_first_step_s", "wall_s", "checkpoint", "resumed_from_step",
+)  # fmt: skip
+# Copied into SUMMARY when the workers reported them (docs/observability.md defines each).
+OPTIONAL_SUMMARY_KEYS = (
+    "steps_this_run", "attempt_initial_loss", "mfu", "step_time_median_s", "data_wait_total_s",
+    "data_wait_fraction", "first_batch_wait_s", "dtype", "model_state_bytes_per_rank",
+    "peak_rss", "cuda_peak_allocated", "samples_per_epoch", "diverged_at_step", "divergence",
+    "last_good_checkpoint_step",
 )  # fmt: skip
 
 
@@ -249,16 +259,44 @@ class JobRun:
     summary_hook: Callable[[], dict] | None = None
 
 
+class TrainingDiverged(RuntimeError):
+    """A non-finite loss, gradient norm or weight stopped the run (shared/loop.py)."""
+
+    def __init__(self, record: dict):
+        self.record = record
+        good = record.get("last_good_checkpoint_step")
+        after = f" after step {good}" if good else ""
+        super().__init__(
+            f"training diverged at step {record['diverged_at_step']} ({record['divergence']}); "
+            f"no checkpoint was written{after}"
+        )
+
+
+def divergence_of_this_run(cfg) -> dict | None:
+    """The record rank 0 wrote when this driver's run diverged (an older run's is ignored)."""
+    path = storage.join(cfg.run_dir, DIVERGENCE_FILE)
+    if not storage.exists(path):
+        return None
+    record = json.loads(storage.read_text(path))
+    return record if record.get("driver_start_time") == cfg.driver_start_time else None
+
+
 def summarize(run: JobRun, wall_s: float, error: BaseException | None) -> dict:
     cfg = run.cfg
     metrics = (run.result.metrics if run.result is not None else None) or {}
+    if isinstance(error, TrainingDiverged):
+        metrics = error.record
     ckpt = run.result.checkpoint if run.result is not None else None
     summary = {
         "job": cfg.job,
         "profile": cfg.profile,
-        "status": "failed" if error else "succeeded",
+        "status": "diverged"
+        if isinstance(error, TrainingDiverged)
+        else "failed"
+        if error
+        else "succeeded",  # fmt: skip
         "world_size": metrics.get("world_size", cfg.num_workers),
-        "steps": metrics.get("checkpoint_step"),
+        "steps": metrics.get("diverged_at_step", metrics.get("checkpoint_step")),
         "initial_loss": metrics.get("initial_loss"),
         "final_loss": metrics.get("final_loss"),
         "tokens_per_s": metrics.get("tokens_per_s"),
@@ -268,10 +306,7 @@ def summarize(run: JobRun, wall_s: float, error: BaseException | None) -> dict:
         "resumed_from_step": metrics.get("resumed_from_step"),
         "run_dir": cfg.run_dir,
     }
-    for key in ("steps_this_run", "mfu", "step_time_median_s", "data_wait_total_s",
-                "data_wait_fraction", "dtype",
-                "model_state_bytes_per_rank", "peak_rss", "cuda_peak_allocated",
-                "samples_seen"):  # fmt: skip
+    for key in OPTIONAL_SUMMARY_KEYS:
         if key in metrics:
             summary[key] = metrics[key]
     summary |= run.extra
@@ -291,10 +326,22 @@ def train_on_text(
     ``TorchTrainer(...).fit()`` on ``num_workers`` workers -> SUMMARY."""
     from ray.train.torch import TorchTrainer
 
-    from shared.data import build_text_dataset, resolve_text_source, tokenizer_spec
+    from shared.data import (
+        build_text_dataset,
+        check_text_dataset,
+        resolve_text_source,
+        tokenizer_spec,
+    )
 
-    with job_run(cfg, run) as run:
+    sources = []
+
+    def resolve_and_check_data() -> None:
         source = resolve_text_source(cfg)  # smoke: writes the corpus + tokenizer once
+        check_text_dataset(source)  # format, schema, text column, rows: before any cluster
+        sources.append(source)
+
+    with job_run(cfg, run, preflight=[resolve_and_check_data]) as run:
+        source = sources[0]
         trainer = TorchTrainer(
             train_loop_per_worker,
             train_loop_config={"cfg": cfg, **tokenizer_spec(source.tokenizer)},
@@ -332,17 +379,25 @@ def start_block(cfg) -> str:
 
 
 @contextlib.contextmanager
-def job_run(cfg, run: JobRun | None = None) -> Iterator[JobRun]:
-    """Check resources, connect to Ray, run the body, always end with the SUMMARY line.
+def job_run(cfg, run: JobRun | None = None, preflight=()) -> Iterator[JobRun]:
+    """Check settings, connect to Ray, run the body, always end with the SUMMARY line.
 
-    Exit status: 0 on success, 2 for a bad setting (before any cluster starts), 1 otherwise.
+    Before any cluster starts: local resources, the ``preflight`` checks (e.g. the dataset)
+    and the resume contract (shared/run_settings.py). Exit status: 0 on success, 2 for a bad
+    setting, 1 for a failed or diverged run.
     """
     run = run or JobRun(cfg)
     try:
         check_local_resources(cfg)
+        for check in preflight:
+            check()
+        changes = check_resume(cfg)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    if changes:
+        print(f"resuming {cfg.job}/{cfg.run_name} with changed settings: {', '.join(changes)}",
+              flush=True)  # fmt: skip
     error: BaseException | None = None
     try:
         with ray_cluster(cfg, token_file=os.path.join(cfg.run_dir, "ray-auth-token")) as info:
@@ -352,21 +407,25 @@ def job_run(cfg, run: JobRun | None = None) -> Iterator[JobRun]:
             yield run
         if run.result is not None and run.result.error is not None:
             raise run.result.error
+        diverged = divergence_of_this_run(cfg)
+        if diverged is not None:
+            raise TrainingDiverged(diverged)
+    except TrainingDiverged as err:
+        error = err  # one line below says it all
     except Exception as err:  # noqa: BLE001 - the run contract reports every failure
         error = err
-        traceback.print_exc()
         if _is_training_failure(err) and not isinstance(err, TrainingGaveUp):
-            error = TrainingGaveUp(cfg.max_failures, err)
+            error = TrainingGaveUp(cfg.max_failures, err)  # the workers' tracebacks: Ray logs
+        else:
+            traceback.print_exc()
     summary = summarize(run, time.time() - cfg.driver_start_time, error)
-    line = json.dumps(summary, default=str)
-    if "://" not in cfg.run_dir:
-        write_json_atomic(
-            os.path.join(cfg.run_dir, "summary.json"), json.dumps(summary, indent=2, default=str)
-        )
-    print(f"SUMMARY {line}", flush=True)
+    storage.write_text(storage.join(cfg.run_dir, "summary.json"), strict_json(summary, indent=2))
     if error:
         resume = (
             f"; last complete checkpoint: {summary['checkpoint']}" if summary["checkpoint"] else ""
         )
         print(f"error: {summary['error']}{resume}", file=sys.stderr, flush=True)
+    sys.stderr.flush()
+    print(f"SUMMARY {strict_json(summary)}", flush=True)  # the last line, also after an error
+    if error:
         raise SystemExit(1)

@@ -13,8 +13,10 @@ and, for ``profile_steps=a-b``, a profiler trace.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Iterable
 from typing import Protocol
@@ -22,7 +24,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from shared import checkpoint
+from shared import checkpoint, optim, storage
 from shared.checkpoint import TrainState
 from shared.metrics import (
     StepMetrics,
@@ -30,6 +32,7 @@ from shared.metrics import (
     peak_memory_bytes,
     rank0_metrics_path,
     read_metrics,
+    strict_json,
 )
 from shared.models import count_params, flops_per_token, model_dims, unwrap
 from shared.parallel.base import Strategy
@@ -39,6 +42,10 @@ from shared.tensorboard_log import TensorBoardLog, tensorboard_dir
 
 LOSS_CURVE_FILE = "loss_curve.png"
 DATA_STATS_FILE = "data_stats.txt"
+# Written by rank 0 when a run stops on a non-finite loss, gradient norm or weights; the driver
+# reads it for SUMMARY (Ray Train keeps only metrics reported with a checkpoint, and a
+# diverged step has none).
+DIVERGENCE_FILE = "divergence.json"
 
 
 class Session(Protocol):
@@ -71,19 +78,26 @@ def global_mean(value: torch.Tensor) -> float:
     return float(value)
 
 
-def restore(strategy: Strategy, session: Session) -> tuple[TrainState, int | None]:
+def restore(cfg, strategy: Strategy, session: Session) -> tuple[TrainState, int | None]:
     """Load the latest checkpoint if the session has one; return (state, step resumed from)."""
     with session.latest_checkpoint() as directory:
         if directory is None:
             return TrainState(world_size=session.world_size), None
         strategy.load(directory)
         state = checkpoint.load_train_state(directory, session.rank)
+    # The checkpoint's scheduler aims at the max_steps it was trained with; a longer (or
+    # shorter) run continues its decay from here instead of jumping (shared/optim.py).
+    horizon_changed = optim.continue_schedule(strategy.scheduler, state.step, cfg.max_steps)
     if session.rank == 0:
         print(
             f"resumed from checkpoint at step {state.step} (epoch {state.epoch}, "
             f"{state.samples_in_epoch} samples into it)",
             flush=True,
         )
+        if horizon_changed:
+            print(f"learning rate continues from {strategy.current_lr():.2e} at step "
+                  f"{state.step}, decaying to lr x min_lr_ratio at the new max_steps="
+                  f"{cfg.max_steps}", flush=True)  # fmt: skip
     return state, state.step
 
 
@@ -140,13 +154,79 @@ def _after_step(cfg, strategy, session, state: TrainState, tracker: StepMetrics,
     last = state.step == cfg.last_step
     if session.rank == 0 and (state.step % cfg.log_every == 0 or state.step == 1 or last):
         print(tracker.progress_line(row), flush=True)
-    if last or state.step % cfg.checkpoint_every == 0:
+    if checkpoint_due(cfg, state.step):
+        tracker.flush()
         metrics = dict(row)
         if last:  # the driver reads the run's summary from the last checkpoint's metrics
             metrics |= run_summary(tracker, strategy, session, state, resumed_from)
         save_and_report(cfg, strategy, session, state, metrics)
     elif state.step % cfg.log_every == 0:
         session.report(row)
+
+
+def checkpoint_due(cfg, step: int) -> bool:
+    return step == cfg.last_step or step % cfg.checkpoint_every == 0
+
+
+# ------------------------------------------------------------------------------------------
+# divergence: a non-finite loss, gradient norm or weight stops the run at that step
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank if it is True on one: a stop decision all ranks take together, so
+    no rank is left waiting in a collective the others skipped."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        value = torch.tensor(float(flag), device=device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+    return flag
+
+
+def weights_finite(strategy: Strategy) -> bool:
+    """This rank's parameters (its shard for FSDP/TP, its partition for ZeRO-3) are finite."""
+    for param in strategy.model.parameters():
+        local = getattr(param, "ds_tensor", None)  # DeepSpeed ZeRO-3 partition
+        if local is None:
+            local = param.to_local() if hasattr(param, "to_local") else param
+        if local.numel() and not bool(torch.isfinite(local.detach()).all()):
+            return False
+    return True
+
+
+def nonfinite_reason(cfg, strategy: Strategy, row: dict) -> str:
+    """Why this step diverged on this rank ('' if it did not). Loss and gradient norm are
+    already global (all-reduced); weights are checked before a checkpoint would be written."""
+    checked = {"loss": row["loss"]}
+    # fp16 loss scaling skips steps whose gradients overflowed: an inf norm there is expected.
+    if strategy.dtype != torch.float16 and row["grad_norm"] is not None:
+        checked["grad_norm"] = row["grad_norm"]
+    bad = [f"{name} {value}" for name, value in checked.items() if not math.isfinite(value)]
+    if not bad and checkpoint_due(cfg, row["step"]) and not weights_finite(strategy):
+        bad.append("non-finite weights")
+    return ", ".join(bad)
+
+
+def stop_diverged(cfg, strategy, session, state: TrainState, tracker: StepMetrics, row: dict,
+                  reason: str, resumed_from: int | None,
+                  last_saved: int | None) -> dict:  # fmt: skip
+    """No checkpoint for this step (the weights are not trustworthy): say so, record it for
+    the driver and return the summary with ``status: diverged``."""
+    summary = {
+        **run_summary(tracker, strategy, session, state, resumed_from),
+        "status": "diverged",
+        "diverged_at_step": state.step,
+        "divergence": reason or "non-finite values on another rank",
+        "last_good_checkpoint_step": last_saved,
+    }
+    if session.rank == 0:
+        print(tracker.progress_line(row), flush=True)
+        good = f"step {last_saved}" if last_saved else "none"
+        print(f"diverged at step {state.step} ({summary['divergence']}): stopped without "
+              f"saving this step; last good checkpoint: {good}", flush=True)  # fmt: skip
+        tracker.flush()
+        record = {"driver_start_time": cfg.driver_start_time, **summary}
+        storage.write_text(storage.join(cfg.run_dir, DIVERGENCE_FILE), strict_json(record))
+    return summary
 
 
 class RankZeroOutputs:
@@ -179,35 +259,48 @@ class RankZeroOutputs:
                       flush=True)  # fmt: skip
 
     def _loss_curve(self, tracker: StepMetrics) -> None:
-        if tracker.path is None or not os.path.exists(tracker.path):
+        if tracker.path is None or not storage.exists(tracker.path):
             return
         from shared.plots import save_run_plots  # matplotlib: imported only where it draws
 
-        path = os.path.join(self.cfg.run_dir, LOSS_CURVE_FILE)
-        save_run_plots(
-            read_metrics(tracker.path), path, title=f"{self.cfg.job} {self.cfg.run_name}"
-        )
+        rows = read_metrics(tracker.path)
+        title = f"{self.cfg.job} {self.cfg.run_name}"
+        if not storage.is_remote(self.cfg.run_dir):
+            path = os.path.join(storage.local_path(self.cfg.run_dir), LOSS_CURVE_FILE)
+            save_run_plots(rows, path, title=title)
+        else:  # draw locally, then one PUT
+            path = storage.join(self.cfg.run_dir, LOSS_CURVE_FILE)
+            with tempfile.TemporaryDirectory() as tmp:
+                local = os.path.join(tmp, LOSS_CURVE_FILE)
+                save_run_plots(rows, local, title=title)
+                with open(local, "rb") as f:
+                    storage.write_bytes(path, f.read())
         print(f"loss curve: {path}", flush=True)
 
     def _data_stats(self, tracker: StepMetrics) -> None:
+        """Ray Data's full statistics (~60 lines) go to a file; the log gets a pointer, or
+        the whole text with ``verbose=true``."""
         stats = getattr(self.session, "data_stats", lambda: None)()
         if not stats:
             return
-        print(f"== data pipeline (Ray Data stats of rank 0's shard)\n{stats}", flush=True)
-        if "://" not in self.cfg.run_dir:
-            with open(os.path.join(self.cfg.run_dir, DATA_STATS_FILE), "w") as f:
-                f.write(stats)
+        path = storage.join(self.cfg.run_dir, DATA_STATS_FILE)
+        storage.write_text(path, stats)
+        if getattr(self.cfg, "verbose", False):
+            print(f"== data pipeline (Ray Data stats of rank 0's shard)\n{stats}", flush=True)
+        else:
+            print(f"data pipeline stats: {path}", flush=True)
 
 
 def train(cfg, strategy: Strategy, session: Session) -> dict:
     """Train to ``cfg.max_steps`` optimizer steps (or ``stop_at_step``); return this rank's
-    summary metrics."""
-    state, resumed_from = restore(strategy, session)
+    summary metrics (``status`` is ``diverged`` if a non-finite value stopped the run)."""
+    state, resumed_from = restore(cfg, strategy, session)
     tracker = _tracker(cfg, strategy, session)
     outputs = RankZeroOutputs(cfg, strategy, session)
     profiler = StepProfiler.for_run(cfg, session.rank, session.device)
     strategy.model.train()
     micro, loss_sum, data_wait = 0, torch.zeros((), device=session.device), 0.0
+    last_saved = resumed_from
     step_start = time.perf_counter()
     while state.step < cfg.last_step:
         batches = iter(session.epoch_batches(state.epoch, state.samples_in_epoch))
@@ -244,9 +337,20 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
                 step_time=time.perf_counter() - step_start,
                 data_wait=data_wait,
             )
+            if state.initial_loss is None:
+                state.initial_loss = row["loss"]
             profiler.step_finished(state.step)
             outputs.step(row)
+            reason = nonfinite_reason(cfg, strategy, row)
+            if any_rank(bool(reason), session.device):
+                profiler.close()
+                summary = stop_diverged(cfg, strategy, session, state, tracker, row, reason,
+                                        resumed_from, last_saved)  # fmt: skip
+                outputs.finish(tracker)
+                return summary
             _after_step(cfg, strategy, session, state, tracker, row, resumed_from)
+            if checkpoint_due(cfg, state.step):
+                last_saved = state.step
             micro, loss_sum, data_wait = 0, torch.zeros((), device=session.device), 0.0
             step_start = time.perf_counter()
         if seen_in_epoch == 0:
@@ -259,6 +363,7 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
             state.epoch += 1
             state.samples_in_epoch = 0
     profiler.close()
+    tracker.flush()
     if session.rank == 0:
         if not tracker.history:
             print(f"nothing to train: the run is already at step {state.step}", flush=True)
@@ -266,7 +371,7 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
             print(f"stopped at step {state.step} of {cfg.max_steps} (stop_at_step); run again "
                   f"with run_name={cfg.run_name} to continue", flush=True)  # fmt: skip
     outputs.finish(tracker)
-    return run_summary(tracker, strategy, session, state, resumed_from)
+    return {**run_summary(tracker, strategy, session, state, resumed_from), "status": "succeeded"}
 
 
 def run_summary(
@@ -278,8 +383,10 @@ def run_summary(
 ) -> dict:
     return {
         **tracker.summary(),
+        # The run's first step ever (kept in the checkpoint), not this attempt's first loss.
+        "initial_loss": state.initial_loss,
         "resumed_from_step": resumed_from,
-        "samples_seen": state.samples_seen(),
+        "samples_per_epoch": state.samples_seen(),
         "world_size": session.world_size,
         "dtype": DTYPE_NAMES[strategy.dtype],
         "model_state_bytes_per_rank": strategy.measured_state_bytes,

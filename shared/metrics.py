@@ -8,13 +8,15 @@ ignores recomputation, so it does not reward activation checkpointing.
 from __future__ import annotations
 
 import json
-import os
+import math
 import resource
 import statistics
 import time
 from collections.abc import Iterable
 
 import torch
+
+from shared import storage
 
 # Dense bf16/fp16 tensor-core peaks from the vendors' datasheets (no sparsity), TFLOP/s.
 GPU_PEAK_TFLOPS = {
@@ -67,8 +69,61 @@ def format_duration(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
+def finite_or_null(value, path: str = "", flagged: list[str] | None = None):
+    """``value`` with every non-finite float (NaN, inf) replaced by None, and the dotted
+    paths of what was replaced appended to ``flagged``: JSON has no NaN, and a reader must
+    be able to tell "diverged" from "not measured"."""
+    if isinstance(value, float) and not math.isfinite(value):
+        if flagged is not None:
+            flagged.append(path)
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v, f"{path}.{k}" if path else str(k), flagged)
+                for k, v in value.items()}  # fmt: skip
+    if isinstance(value, list | tuple):
+        return [finite_or_null(v, f"{path}[{i}]", flagged) for i, v in enumerate(value)]
+    return value
+
+
+def strict_json(record: dict, **dump_kwargs) -> str:
+    """JSON that every parser accepts: non-finite numbers become null and are listed under
+    ``nonfinite``."""
+    flagged: list[str] = []
+    clean = finite_or_null(record, flagged=flagged)
+    if flagged:
+        clean["nonfinite"] = flagged
+    return json.dumps(clean, allow_nan=False, default=str, **dump_kwargs)
+
+
+class MetricsLog:
+    """metrics.jsonl, one strict-JSON row per step, through shared/storage.py.
+
+    Local (or NFS) run directories get a line appended per step. Object stores cannot append
+    (an append rewrites the object), so there rows are buffered and written at each
+    :meth:`flush` (the loop flushes at every checkpoint and at the end)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.remote = storage.is_remote(path)
+        self.pending: list[str] = []
+
+    def append(self, row: dict) -> None:
+        line = strict_json(row) + "\n"
+        if self.remote:
+            self.pending.append(line)
+        else:
+            storage.append_text(self.path, line)
+
+    def flush(self) -> None:
+        if self.pending:
+            storage.append_text(self.path, "".join(self.pending))
+            self.pending = []
+
+
 class StepMetrics:
-    """Per-step numbers on every rank; the history and the progress line on rank 0."""
+    """Per-step numbers on every rank; the history, metrics.jsonl and the progress line on
+    rank 0. The definitions are in docs/observability.md ("What the numbers mean"); the
+    progress line and SUMMARY use the same ones (:meth:`steady`)."""
 
     def __init__(
         self, cfg, flops_per_token: float, peak_tflops: float, world_size: int, path: str | None
@@ -78,6 +133,7 @@ class StepMetrics:
         self.peak_flops = peak_tflops * 1e12 * world_size
         self.world_size = world_size
         self.path = path  # metrics.jsonl (rank 0 only), or None
+        self.log = MetricsLog(path) if path else None
         self.history: list[dict] = []
         self.first_step_end: float | None = None
 
@@ -95,68 +151,76 @@ class StepMetrics:
             "grad_norm": grad_norm,
             "step_time_s": step_time,
             "data_wait_s": data_wait,
-            # The share of the step spent waiting for input: high means input-bound.
+            # This step's share of time spent waiting for input (per step, unlike SUMMARY's).
             "data_wait_fraction": data_wait / step_time if step_time > 0 else 0.0,
             "tokens_per_s": tokens_per_s,
             "mfu": tokens_per_s * self.flops_per_token / self.peak_flops,
         }
         self.history.append(row)
-        if self.path:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        if self.log is not None:
+            self.log.append(row)
         return row
+
+    def flush(self) -> None:
+        if self.log is not None:
+            self.log.flush()
+
+    def steady(self) -> dict:
+        """Throughput, MFU and data wait over this attempt's steps after its first one (the
+        first step waits for the pipeline to start: reported as ``first_batch_wait_s``)."""
+        steady = self.history[1:] or self.history
+        total_time = sum(r["step_time_s"] for r in steady)
+        tokens_per_s = self.cfg.tokens_per_step * len(steady) / total_time if total_time else 0.0
+        return {
+            "tokens_per_s": tokens_per_s,
+            "mfu": tokens_per_s * self.flops_per_token / self.peak_flops,
+            "data_wait_fraction": sum(r["data_wait_s"] for r in steady) / total_time
+            if total_time
+            else 0.0,
+            "first_batch_wait_s": self.history[0]["data_wait_s"] if self.history else 0.0,
+        }
 
     def progress_line(self, row: dict) -> str:
         steps_left = self.cfg.max_steps - row["step"]
         recent = [r["step_time_s"] for r in self.history[-20:]]
         eta = steps_left * statistics.median(recent)
-        wait = row["data_wait_fraction"]
+        steady = self.steady()
         return (
             f"step {row['step']:>{len(str(self.cfg.max_steps))}}/{self.cfg.max_steps} | "
             f"epoch {row['epoch']} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
-            f"{row['tokens_per_s']:,.0f} tok/s | mfu {100 * row['mfu']:.2f}% | "
-            f"data wait {100 * wait:.0f}% | eta {format_duration(eta)}"
+            f"{steady['tokens_per_s']:,.0f} tok/s | mfu {100 * steady['mfu']:.2f}% | "
+            f"data wait {100 * steady['data_wait_fraction']:.0f}% | eta {format_duration(eta)}"
         )
 
     def summary(self) -> dict:
-        """Run-level numbers; throughput excludes the first step (compilation, warm-up)."""
+        """Run-level numbers of this attempt (same definitions as the progress line)."""
         if not self.history:
             return {"steps_this_run": 0}
         steady = self.history[1:] or self.history
-        total_time = sum(r["step_time_s"] for r in steady)
-        tokens = self.cfg.tokens_per_step * len(steady)
-        tokens_per_s = tokens / total_time if total_time else 0.0
         return {
-            "initial_loss": self.history[0]["loss"],
+            "attempt_initial_loss": self.history[0]["loss"],
             "final_loss": self.history[-1]["loss"],
-            "tokens_per_s": tokens_per_s,
+            **self.steady(),
             "step_time_median_s": statistics.median(r["step_time_s"] for r in steady),
             "data_wait_total_s": sum(r["data_wait_s"] for r in self.history),
-            # Share of step time spent blocked on the next batch: > ~0.05 means input-bound.
-            "data_wait_fraction": sum(r["data_wait_s"] for r in steady) / total_time
-            if total_time
-            else 0.0,
-            "mfu": tokens_per_s * self.flops_per_token / self.peak_flops,
             "time_to_first_step_s": self.first_step_end - self.cfg.driver_start_time,
             "steps_this_run": len(self.history),
         }
 
 
 def rank0_metrics_path(run_dir: str, rank: int) -> str | None:
-    """metrics.jsonl in the run directory when it is a filesystem path (local or NFS)."""
-    if rank != 0 or "://" in run_dir:
+    """metrics.jsonl in the run directory (local path or object store), rank 0 only."""
+    if rank != 0:
         return None
-    os.makedirs(run_dir, exist_ok=True)
-    return os.path.join(run_dir, "metrics.jsonl")
+    return storage.join(run_dir, "metrics.jsonl")
 
 
 def read_metrics(path: str) -> list[dict]:
     """metrics.jsonl rows in step order, one per step: a step that was trained again after a
     restart from an older checkpoint keeps its latest row."""
     by_step: dict[int, dict] = {}
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                row = json.loads(line)
-                by_step[row["step"]] = row
+    for line in storage.read_text(path).splitlines():
+        if line.strip():
+            row = json.loads(line)
+            by_step[row["step"]] = row
     return [by_step[step] for step in sorted(by_step)]

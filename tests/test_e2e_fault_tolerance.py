@@ -92,7 +92,7 @@ def test_worker_failure_recovers_to_the_identical_model(name, failure, reference
     assert "FAULT INJECTION 1/1: rank 1 dies at step" in result.stdout
     assert "worker group restarted by Ray Train after 1 injected failure(s)" in result.stdout
     assert "resumed from checkpoint at step " in result.stdout
-    assert s["samples_seen"] == reference["samples_seen"]
+    assert s["samples_per_epoch"] == reference["samples_per_epoch"]
     # Same world size, deterministic data order, model/optimizer/schedule/RNG/data position
     # restored: the CPU float ops repeat exactly, so the weights are bitwise equal.
     expected = final_weights(reference)
@@ -124,7 +124,7 @@ def test_world_size_change_consumes_each_sample_exactly_once(reference, storage)
     assert s["world_size"] == 1 and s["resumed_from_step"] == 6
     assert "keeping the global batch at 32 sequences with grad_accum=4" in result.stdout
     assert_exactly_once(s["run_dir"])
-    assert s["samples_seen"] == reference["samples_seen"]
+    assert s["samples_per_epoch"] == reference["samples_per_epoch"]
     # The same samples in the same steps, but one rank now sums 4 micro-batches where two
     # ranks summed 2 each and all-reduced: fp32 addition order differs, so the weights are
     # equal up to rounding (amplified a little by Adam's normalisation), not bitwise.

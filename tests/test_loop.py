@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import shutil
 
@@ -131,3 +133,97 @@ def test_two_rank_ddp_equals_one_process_with_the_same_global_batch(tmp_path, bl
     # weights get an absolute tolerance of 5e-5, ~1% of one step's largest update.
     for name, tensor in single_params.items():
         torch.testing.assert_close(ddp["params"][name], tensor, rtol=1e-4, atol=5e-5)
+
+
+def strict_rows(path) -> list[dict]:
+    """metrics.jsonl parsed by a strict JSON reader (NaN/Infinity are refused)."""
+
+    def refuse(constant):
+        raise ValueError(f"non-JSON constant {constant} in {path}")
+
+    with open(path) as f:
+        return [json.loads(line, parse_constant=refuse) for line in f if line.strip()]
+
+
+def test_a_diverging_run_stops_without_writing_non_finite_checkpoints(tmp_path, blocks):
+    """lr=1e9 blows the weights up within a few steps. The run stops at the first step whose
+    loss, grad norm or weights are not finite; every checkpoint written is finite."""
+    data, spec = blocks
+    cfg = make_cfg(tmp_path, lr=1e9, max_steps=10, checkpoint_every=1)
+    summary, _, session = run(cfg, data, spec, str(tmp_path / "ckpt"))
+    assert summary["status"] == "diverged"
+    step = summary["diverged_at_step"]
+    assert 1 <= step < 10 and summary["steps_this_run"] == step
+    saved = [int(os.path.basename(c).removeprefix("step_")) for c in session.checkpoints()]
+    assert saved == list(range(1, step))
+    assert summary["last_good_checkpoint_step"] == (step - 1 or None)
+    for directory in session.checkpoints():
+        weights = torch.load(os.path.join(directory, "model.pt"), weights_only=True)["model"]
+        assert all(torch.isfinite(t).all() for t in weights.values()), directory
+    rows = strict_rows(os.path.join(cfg.run_dir, "metrics.jsonl"))
+    assert [r["step"] for r in rows] == list(range(1, step + 1))
+    bad = rows[-1]
+    assert bad["nonfinite"] and all(bad[key] is None for key in bad["nonfinite"])
+    with open(os.path.join(cfg.run_dir, "divergence.json")) as f:
+        record = json.load(f)
+    assert record["diverged_at_step"] == step and record["status"] == "diverged"
+
+
+def lr_rows(run_dir) -> dict[int, float]:
+    return {r["step"]: r["lr"] for r in strict_rows(os.path.join(run_dir, "metrics.jsonl"))}
+
+
+def test_extending_max_steps_continues_the_learning_rate_from_the_resume_step(tmp_path, blocks):
+    """Trained 5 steps of a 10-step schedule, resumed with max_steps=20: the LR at step 5 is
+    unchanged and from there a half-cosine decays to lr x min_lr_ratio at step 20 (README
+    "Resuming a run"). Rebuilding the schedule would jump to the 20-step cosine's value."""
+    data, spec = blocks
+    first = make_cfg(tmp_path / "a", max_steps=10, checkpoint_every=5)
+    _, _, session = run(first, data, spec, str(tmp_path / "a" / "ckpt"))
+    resumed_root = tmp_path / "b" / "ckpt"
+    resumed_root.mkdir(parents=True)
+    shutil.copytree(session.checkpoints()[0], resumed_root / "step_000005")
+    longer = make_cfg(tmp_path / "b", max_steps=20, checkpoint_every=5)
+    summary, _, _ = run(longer, data, spec, str(resumed_root))
+    assert summary["resumed_from_step"] == 5
+    before, after = lr_rows(first.run_dir), lr_rows(longer.run_dir)
+    lr, floor = first.lr, first.lr * first.min_lr_ratio
+    # The row of step k holds the LR of the next update: multiplier(k).
+    m5 = before[5] / lr
+    for step in range(6, 21):
+        progress = (step - 5) / (20 - 5)
+        expected = floor + (before[5] - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        assert after[step] == pytest.approx(expected, rel=1e-9), step
+    assert after[20] == pytest.approx(floor, rel=1e-9)
+    series = [before[5]] + [after[s] for s in range(6, 21)]
+    assert all(b <= a for a, b in zip(series, series[1:], strict=False))  # never rises
+    # Warm-up 2, cosine over steps 2..10: m5 = 0.72. Rebuilding the schedule for 20 steps
+    # gave 0.90 at step 6: a jump up.
+    assert m5 == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 3 / 8)), rel=1e-9)
+    assert after[6] / lr < m5 < 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 4 / 18))
+
+
+def test_extending_a_finished_run_continues_at_the_minimum_learning_rate(tmp_path, blocks):
+    """The README's exp1 example: 10 of 10 steps, then max_steps=16. The LR stays at
+    lr x min_lr_ratio instead of jumping back up the longer cosine (1.71e-3 in issue 13)."""
+    data, spec = blocks
+    cfg = make_cfg(tmp_path, max_steps=10, checkpoint_every=10)
+    run(cfg, data, spec, str(tmp_path / "ckpt"))
+    summary, _, _ = run(make_cfg(tmp_path, max_steps=16, checkpoint_every=10), data, spec,
+                        str(tmp_path / "ckpt"))  # fmt: skip
+    assert summary["resumed_from_step"] == 10
+    rows = lr_rows(cfg.run_dir)
+    floor = cfg.lr * cfg.min_lr_ratio
+    assert [rows[s] for s in range(10, 17)] == pytest.approx([floor] * 7, rel=1e-9)
+
+
+def test_initial_loss_is_the_runs_first_step_also_after_a_resume(tmp_path, blocks):
+    data, spec = blocks
+    cfg = make_cfg(tmp_path, max_steps=10, checkpoint_every=5)
+    first, _, session = run(cfg, data, spec, str(tmp_path / "full"))
+    resumed_root = tmp_path / "resumed"
+    resumed_root.mkdir()
+    shutil.copytree(session.checkpoints()[0], resumed_root / "step_000005")
+    resumed, _, _ = run(cfg, data, spec, str(resumed_root))
+    assert resumed["initial_loss"] == first["initial_loss"] == first["attempt_initial_loss"]
+    assert resumed["attempt_initial_loss"] < first["initial_loss"] - 0.3

@@ -200,3 +200,25 @@ def test_a_hung_collective_fails_after_the_timeout(tmp_path):
     seconds, message = result.read_text().split("s ", 1)
     assert "Timed out" in message or "timeout" in message.lower(), message
     assert 1.5 <= float(seconds) < 30, seconds
+
+
+def test_the_progress_line_and_summary_use_the_same_definitions():
+    """Issue 13: the line said `data wait 1-9%` while SUMMARY said 0.53. Both now report the
+    steady steps (all but the first), and the first batch's wait separately."""
+    from types import SimpleNamespace
+
+    from shared.metrics import StepMetrics
+
+    cfg = SimpleNamespace(tokens_per_step=1000, max_steps=4, driver_start_time=0.0)
+    tracker = StepMetrics(cfg, flops_per_token=1e6, peak_tflops=1.0, world_size=2, path=None)
+    # (step time, data wait): a slow first batch, then an epoch start at step 3.
+    for step, (time_s, wait_s) in enumerate([(10.0, 9.0), (1.0, 0.0), (3.0, 2.0), (1.0, 0.0)], 1):
+        row = tracker.record(step=step, epoch=0, loss=5.0, lr=1e-3, grad_norm=1.0,
+                             step_time=time_s, data_wait=wait_s)  # fmt: skip
+    summary = tracker.summary()
+    assert summary["data_wait_fraction"] == pytest.approx(2.0 / 5.0)
+    assert summary["first_batch_wait_s"] == 9.0
+    assert summary["tokens_per_s"] == pytest.approx(3000 / 5.0)
+    assert summary["mfu"] == pytest.approx(600 * 1e6 / 2e12)  # a fraction
+    line = tracker.progress_line(row)
+    assert "| 600 tok/s |" in line and "| mfu 0.03% |" in line and "| data wait 40% |" in line

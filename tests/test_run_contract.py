@@ -1,0 +1,311 @@
+"""What a driver checks before any cluster starts: the resume contract, the dataset, --help;
+and what it prints: strict JSON, filtered Ray output. No Ray needed."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from shared.config import ConfigError, FaultToleranceConfig, TrainConfig, build_config, parse_args
+from shared.data import TextSource, check_text_dataset
+from shared.log_filter import BENIGN, FilteredStream, OutputFilter
+from shared.metrics import strict_json
+from shared.run_settings import SETTINGS_FILE, check_resume
+
+# ------------------------------------------------------------------------------------------
+# resume contract
+
+
+def start(tmp_path, cls=TrainConfig, **overrides):
+    cfg = build_config(cls, {"smoke": {}}, "smoke",
+                       {"storage_path": str(tmp_path), "run_name": "exp1",
+                        **{k: str(v) for k, v in overrides.items()}})  # fmt: skip
+    cfg.job = "ddp"
+    return cfg
+
+
+def checkpointed(cfg) -> None:
+    """What Ray Train leaves in the run directory after the first checkpoint."""
+    os.makedirs(os.path.join(cfg.run_dir, "step_000020"), exist_ok=True)
+
+
+def test_the_first_start_records_its_resolved_settings(tmp_path):
+    cfg = start(tmp_path, max_steps=20)
+    assert check_resume(cfg) == []
+    with open(os.path.join(cfg.run_dir, SETTINGS_FILE)) as f:
+        saved = json.load(f)
+    assert saved["settings"]["max_steps"] == 20 and saved["settings"]["seq_len"] == 64
+    assert saved["global_batch_size"] == 16
+
+
+def test_a_resume_that_changes_seq_len_is_refused_naming_both_values(tmp_path):
+    first = start(tmp_path)
+    check_resume(first)
+    checkpointed(first)
+    with pytest.raises(ConfigError) as err:
+        check_resume(start(tmp_path, seq_len=32, micro_batch_size=4))
+    message = str(err.value)
+    assert "seq_len=64" in message and "seq_len=32" in message
+    assert message.count(". ") == 0 and message.endswith(".")  # one sentence
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"micro_batch_size": 4}, "global_batch_size=16"),  # 8 x 1 x 2 -> 4 x 1 x 2
+        ({"num_workers": 1}, "global_batch_size=16"),
+        ({"model": "gpt2"}, "model=gpt2-tiny"),
+        ({"dtype": "bf16"}, "dtype=auto"),
+        ({"seed": 1}, "seed=0"),  # the generated dataset depends on it
+        ({"lr": 1e-3}, "lr=0.003"),  # the checkpoint's scheduler would keep the old one
+    ],
+)
+def test_changes_that_invalidate_the_checkpoint_are_refused(tmp_path, change, named):
+    first = start(tmp_path)
+    check_resume(first)
+    checkpointed(first)
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        check_resume(start(tmp_path, **change))
+
+
+def test_harmless_changes_are_applied_and_listed(tmp_path):
+    first = start(tmp_path, max_steps=20)
+    check_resume(first)
+    checkpointed(first)
+    changes = check_resume(start(tmp_path, max_steps=40, log_every=1, checkpoint_every=5))
+    assert changes == ["max_steps 20 -> 40", "checkpoint_every 10 -> 5", "log_every 5 -> 1"]
+    # The record now holds this start's settings, so the next resume compares with them.
+    assert check_resume(start(tmp_path, max_steps=40, log_every=1, checkpoint_every=5)) == []
+
+
+def test_without_a_checkpoint_nothing_is_resumed_so_nothing_is_refused(tmp_path):
+    check_resume(start(tmp_path))
+    assert check_resume(start(tmp_path, seq_len=32)) == []
+
+
+def test_a_world_size_change_that_keeps_the_global_batch_is_allowed(tmp_path):
+    first = start(tmp_path)
+    check_resume(first)
+    checkpointed(first)
+    assert check_resume(start(tmp_path, num_workers=1, grad_accum=2)) == [
+        "num_workers 2 -> 1",
+        "grad_accum 1 -> 2",
+    ]
+
+
+def test_an_elastic_job_may_change_its_world_size(tmp_path):
+    """fault_tolerance keeps the checkpoint's global batch (grad_accum adapts) and deals the
+    data in one global order, so num_workers is not part of its contract."""
+    first = start(tmp_path, cls=FaultToleranceConfig)
+    check_resume(first)
+    checkpointed(first)
+    assert check_resume(start(tmp_path, cls=FaultToleranceConfig, num_workers=1)) == [
+        "num_workers 2 -> 1"
+    ]
+
+
+# ------------------------------------------------------------------------------------------
+# dataset checks
+
+
+def parquet(path, table) -> str:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    pq.write_table(table, path)
+    return str(path)
+
+
+def dataset_error(path, column="text") -> str:
+    with pytest.raises(ConfigError) as err:
+        check_text_dataset(TextSource(dataset=str(path), tokenizer="", text_column=column))
+    return str(err.value)
+
+
+def test_a_text_file_is_refused_as_not_parquet(tmp_path):
+    path = tmp_path / "a.txt"
+    path.write_text("hello\n")
+    assert dataset_error(path) == (
+        f"dataset '{path}' is not a .parquet file; the jobs read parquet only: convert it "
+        "(e.g. pandas.read_csv(...).to_parquet(...)) or point dataset= at a parquet file."
+    )
+
+
+def test_a_directory_of_csv_and_txt_files_is_refused(tmp_path):
+    (tmp_path / "a.csv").write_text("text\nhello\n")
+    (tmp_path / "b.txt").write_text("hello\n")
+    assert "has no .parquet files (it has 2 other files" in dataset_error(tmp_path)
+
+
+def test_a_file_named_parquet_that_is_not_parquet_is_refused(tmp_path):
+    path = tmp_path / "fake.parquet"
+    path.write_text("text,label\n")
+    assert "is not readable parquet" in dataset_error(path)
+
+
+def test_a_missing_text_column_names_the_columns_there_are(tmp_path):
+    path = parquet(tmp_path / "d.parquet", pa.table({"body": ["a"], "label": [1]}))
+    assert "has no column 'text' (columns: body, label)" in dataset_error(path)
+
+
+def test_an_empty_dataset_is_refused(tmp_path):
+    path = parquet(tmp_path / "d" / "part-0.parquet", pa.table({"text": pa.array([], pa.string())}))
+    assert dataset_error(os.path.dirname(path)) == f"dataset '{tmp_path / 'd'}' has no rows."
+
+
+def test_a_good_dataset_passes(tmp_path):
+    path = parquet(tmp_path / "d" / "part-0.parquet", pa.table({"text": ["hello world"]}))
+    check_text_dataset(TextSource(dataset=os.path.dirname(path), tokenizer=""))
+
+
+# ------------------------------------------------------------------------------------------
+# --help shows the profile's values
+
+
+def help_text(capsys, *argv) -> str:
+    from jobs.ddp.main import PROFILES  # noqa: PLC0415 - the real profiles
+
+    with pytest.raises(SystemExit):
+        parse_args("ddp", TrainConfig, PROFILES, argv=list(argv))
+    return capsys.readouterr().out
+
+
+def setting_line(text: str, name: str) -> str:
+    return next(line.split()[0] for line in text.splitlines() if line.startswith(f"  {name}="))
+
+
+def test_help_shows_the_smoke_profiles_values(capsys):
+    text = help_text(capsys, "--help")
+    assert "with the smoke profile's values" in text
+    assert setting_line(text, "cpus_per_worker") == "cpus_per_worker=0.5"
+    assert setting_line(text, "grad_accum") == "grad_accum=2"
+    assert setting_line(text, "smoke_rows") == "smoke_rows=1000"
+
+
+def test_help_with_the_full_profile_shows_its_values(capsys):
+    text = help_text(capsys, "--profile", "full", "--help")
+    assert setting_line(text, "cpus_per_worker") == "cpus_per_worker=8"
+    assert setting_line(text, "model") == "model='gpt2'"
+
+
+# ------------------------------------------------------------------------------------------
+# strict JSON and the output filter
+
+
+def test_non_finite_numbers_become_null_and_are_flagged():
+    text = strict_json({"loss": float("nan"), "ok": 1.5, "nested": {"g": float("inf")}})
+    assert json.loads(text) == {"loss": None, "ok": 1.5, "nested": {"g": None},
+                                "nonfinite": ["loss", "nested.g"]}  # fmt: skip
+
+
+# Lines as Ray 2.60 forwards them to the driver (a healthy run, then an injected failure).
+def forwarded(*lines: tuple[str, str]) -> str:
+    return "".join(f"\x1b[36m({source})\x1b[0m {message}\n" for source, message in lines)
+
+
+CONTROLLER, RANK0, RANK1 = (
+    "TrainController pid=8863",
+    "RayTrainWorker pid=9071",
+    "RayTrainWorker pid=9099",
+)
+HEALTHY = forwarded(
+    (
+        CONTROLLER,
+        "[2026-12-03 18:10:02,225 E 8863 8960] core_worker.cc:2465: Actor with class "
+        "name: 'PreemptionWatcher' and ID: '85b8' has constructor arguments in the "
+        "object store and max_restarts > 0. If the arguments ... restart will fail.",
+    ),
+    (
+        RANK0,
+        "[W1203 18:10:02.841262543 socket.cpp:207] [c10d] The hostname of the client "
+        "socket cannot be retrieved. err=-3",
+    ),
+    (
+        "DatasetManager pid=9185",
+        "/x/execution_options.py:436: RayDeprecationWarning: "
+        "`ExecutionOptions.exclude_resources` is deprecated and will be "
+        "removed after January 2027.",
+    ),
+    ("DatasetManager pid=9185", "  self.exclude_resources = exclude_resources"),
+    (RANK0, "step  5/30 | epoch 0 | loss 5.5901"),
+)
+REPEATED = "\x1b[32m [repeated 3x across cluster]\x1b[0m"
+FAILURE = forwarded(
+    (RANK1, "FAULT INJECTION 1/1: rank 1 dies at step 13 after its update (fail_mode=exit)"),
+    (RANK0, "Error in training function:"),
+    (RANK0, "Traceback (most recent call last):"),
+    (RANK0, '  File "/w/shared/loop.py", line 69, in global_mean'),
+    (RANK0, "RuntimeError: Connection closed by peer [127.0.0.1]:30110."),
+    (RANK0, ""),
+    (CONTROLLER, "[FailurePolicy] RETRY"),
+    (CONTROLLER, "  Source: worker group"),
+    (CONTROLLER, "  Error count: 1 (max allowed: 2)"),
+    (CONTROLLER, "Error: Training failed due to worker errors:"),
+    (CONTROLLER, "[Rank 0 Error Snippet]:"),
+    (CONTROLLER, ""),
+    (CONTROLLER, "[Rank 1 Error Snippet]:"),
+    (CONTROLLER, "ray.exceptions.ActorDiedError: The actor died unexpectedly."),
+    (CONTROLLER, "Graceful shutdown of backend failed. This is expected if a worker crashed."),
+    (CONTROLLER, "Traceback (most recent call last):" + REPEATED),
+    (CONTROLLER, '  File "/w/loop.py", line 241, in train' + REPEATED),
+    (CONTROLLER, "Started training worker group of size 2:"),
+    ("RayTrainWorker pid=10370", "resumed from checkpoint at step 5 (epoch 0, 160 samples)"),
+)
+
+
+class Sink:
+    def __init__(self):
+        self.text = ""
+
+    def write(self, text):
+        self.text += text
+
+    def flush(self):
+        pass
+
+
+def filtered(text: str) -> list[str]:
+    sink = Sink()
+    stream = FilteredStream(sink, OutputFilter(), "[traceback hidden; full text in LOGS]")
+    stream.write(text)
+    stream.flush()
+    return [line.replace("\x1b[36m", "").replace("\x1b[0m", "") for line in sink.text.splitlines()]
+
+
+def test_known_benign_lines_are_hidden_and_each_filter_names_its_upstream_message():
+    assert filtered(HEALTHY) == ["(RayTrainWorker pid=9071) step  5/30 | epoch 0 | loss 5.5901"]
+    assert all(len(b.upstream) > 40 for b in BENIGN)
+
+
+def test_an_injected_failure_shows_one_short_block():
+    assert filtered(FAILURE) == [
+        "(RayTrainWorker pid=9099) FAULT INJECTION 1/1: rank 1 dies at step 13 after its update "
+        "(fail_mode=exit)",
+        "(RayTrainWorker pid=9071) [traceback hidden; full text in LOGS]",
+        "(TrainController pid=8863) [FailurePolicy] RETRY",
+        "(TrainController pid=8863)   Source: worker group",
+        "(TrainController pid=8863)   Error count: 1 (max allowed: 2)",
+        "(TrainController pid=8863) [traceback hidden; full text in LOGS]",
+        "(TrainController pid=8863) Started training worker group of size 2:",
+        "(RayTrainWorker pid=10370) resumed from checkpoint at step 5 (epoch 0, 160 samples)",
+    ]
+
+
+def test_the_drivers_own_lines_pass_unchanged():
+    assert filtered("Traceback (most recent call last):\nerror: x\n") == [
+        "Traceback (most recent call last):",
+        "error: x",
+    ]
+
+
+def test_the_readme_quotes_the_refusal_the_code_prints(tmp_path):
+    from conftest import REPO
+
+    first = start(tmp_path)
+    check_resume(first)
+    checkpointed(first)
+    with pytest.raises(ConfigError) as err:
+        check_resume(start(tmp_path, seq_len=32))
+    assert f"`error: {err.value}`" in (REPO / "README.md").read_text()
