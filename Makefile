@@ -47,7 +47,7 @@ endif
 help: ## Show the targets
 	@echo "usage: make <target> [JOB=<job>] [PROFILE=smoke|full] [ARGS=\"key=value ...\"]"
 	@echo
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-15s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-15s %s\n", $$1, $$2}'
 	@echo
 	@echo "jobs: $(JOBS)"
 
@@ -69,7 +69,7 @@ tensorboard: setup ## TensorBoard over every run under runs/ (http://127.0.0.1:6
 
 # Not wrapped in $(NET): under LOOPBACK_ONLY=1 the server must live in the namespace the jobs
 # use, so run the whole sequence inside one ci/loopback.sh (s3-up refuses otherwise).
-s3-up: setup ## Local S3 server (SeaweedFS on 127.0.0.1) + bucket $(S3_BUCKET); prints the AWS_* exports
+s3-up: setup ## Local S3 server (SeaweedFS on 127.0.0.1) + a bucket (S3_BUCKET=templates); prints the AWS_* exports
 	$(PY) -m ci.s3_server up --state $(S3_STATE) --bucket $(S3_BUCKET)
 
 s3-down: ## Stop the local S3 server started by s3-up (by its PID) and delete its data

@@ -27,6 +27,8 @@ from shared.cluster import ClusterInfo, check_local_resources, ray_cluster, trai
 from shared.config import ConfigError, user_fields
 from shared.data import global_order_batches, skip_consumed
 from shared.stack import DRIVER, register_process
+from shared import storage
+from shared.lease import run_lease
 from shared.storage import write_json_atomic
 
 SUMMARY_KEYS = (
@@ -138,10 +140,10 @@ class GlobalOrderSession(RaySession):
         super().__init__(cfg)
         self.attempt = _attempt_id(self.rank)  # same id on every rank of this worker group
         self.sample_log = None
-        if log_samples:
-            os.makedirs(os.path.join(cfg.run_dir, "samples"), exist_ok=True)
-            self.sample_log = os.path.join(
-                cfg.run_dir, "samples", f"{self.attempt}-rank{self.rank}.jsonl"
+        if log_samples:  # flushed at every report: what a resume keeps is always on storage
+            self.sample_log = storage.AppendLog(
+                storage.join(cfg.run_dir, "samples", f"{self.attempt}-rank{self.rank}.jsonl"),
+                flush_every_s=float("inf"),
             )
 
     def epoch_batches(self, epoch: int, start_sample: int) -> Iterator[torch.Tensor]:
@@ -151,11 +153,15 @@ class GlobalOrderSession(RaySession):
         )
         for index, batch in ordered:
             if self.sample_log:
-                with open(self.sample_log, "a") as f:
-                    f.write(
-                        json.dumps({"attempt": self.attempt, "epoch": epoch, "batch": index}) + "\n"
-                    )
+                self.sample_log.append(
+                    json.dumps({"attempt": self.attempt, "epoch": epoch, "batch": index}) + "\n"
+                )
             yield batch
+
+    def report(self, metrics: dict, checkpoint_dir: str | None = None) -> None:
+        if self.sample_log:
+            self.sample_log.flush()
+        super().report(metrics, checkpoint_dir)
 
 
 def _attempt_id(rank: int) -> int:
@@ -311,11 +317,9 @@ def train_on_text(
 
 def latest_complete_checkpoint(run_dir: str) -> str | None:
     """The newest ``step_*`` checkpoint in the run directory that has its train state."""
-    if "://" in run_dir or not os.path.isdir(run_dir):
-        return None
-    names = sorted(n for n in os.listdir(run_dir) if n.startswith("step_"))
-    complete = [n for n in names if os.path.exists(os.path.join(run_dir, n, "train_state.json"))]
-    return os.path.join(run_dir, complete[-1]) if complete else None
+    names = sorted(n for n in storage.listdir(run_dir) if n.startswith("step_"))
+    complete = [n for n in names if storage.exists(storage.join(run_dir, n, "train_state.json"))]
+    return storage.join(run_dir, complete[-1]) if complete else None
 
 
 def start_block(cfg) -> str:
@@ -344,8 +348,11 @@ def job_run(cfg, run: JobRun | None = None) -> Iterator[JobRun]:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     error: BaseException | None = None
+    lease = run_lease(cfg)  # before any cluster: a second driver for this run exits here (2)
     try:
-        with ray_cluster(cfg, token_file=os.path.join(cfg.run_dir, "ray-auth-token")) as info:
+        # The token is a secret for this node's cluster: never on object storage.
+        token_file = os.path.join(storage.node_local_dir(cfg.run_dir), "ray-auth-token")
+        with ray_cluster(cfg, token_file=token_file) as info:
             run.cluster = info
             register_process(cfg.run_dir, DRIVER)  # for `make stack`
             print(start_block(cfg), flush=True)
@@ -359,10 +366,10 @@ def job_run(cfg, run: JobRun | None = None) -> Iterator[JobRun]:
             error = TrainingGaveUp(cfg.max_failures, err)
     summary = summarize(run, time.time() - cfg.driver_start_time, error)
     line = json.dumps(summary, default=str)
-    if "://" not in cfg.run_dir:
-        write_json_atomic(
-            os.path.join(cfg.run_dir, "summary.json"), json.dumps(summary, indent=2, default=str)
-        )
+    write_json_atomic(
+        storage.join(cfg.run_dir, "summary.json"), json.dumps(summary, indent=2, default=str)
+    )
+    lease.release()
     print(f"SUMMARY {line}", flush=True)
     if error:
         resume = (

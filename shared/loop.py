@@ -13,7 +13,6 @@ and, for ``profile_steps=a-b``, a profiler trace.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import time
 from collections.abc import Iterable
@@ -22,7 +21,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from shared import checkpoint
+from shared import checkpoint, storage
 from shared.checkpoint import TrainState
 from shared.metrics import (
     StepMetrics,
@@ -179,11 +178,11 @@ class RankZeroOutputs:
                       flush=True)  # fmt: skip
 
     def _loss_curve(self, tracker: StepMetrics) -> None:
-        if tracker.path is None or not os.path.exists(tracker.path):
+        if tracker.path is None or not storage.exists(tracker.path):
             return
         from shared.plots import save_run_plots  # matplotlib: imported only where it draws
 
-        path = os.path.join(self.cfg.run_dir, LOSS_CURVE_FILE)
+        path = storage.join(self.cfg.run_dir, LOSS_CURVE_FILE)
         save_run_plots(
             read_metrics(tracker.path), path, title=f"{self.cfg.job} {self.cfg.run_name}"
         )
@@ -194,9 +193,7 @@ class RankZeroOutputs:
         if not stats:
             return
         print(f"== data pipeline (Ray Data stats of rank 0's shard)\n{stats}", flush=True)
-        if "://" not in self.cfg.run_dir:
-            with open(os.path.join(self.cfg.run_dir, DATA_STATS_FILE), "w") as f:
-                f.write(stats)
+        storage.write_text(storage.join(self.cfg.run_dir, DATA_STATS_FILE), stats)
 
 
 def train(cfg, strategy: Strategy, session: Session) -> dict:

@@ -8,13 +8,15 @@ ignores recomputation, so it does not reward activation checkpointing.
 from __future__ import annotations
 
 import json
-import os
 import resource
 import statistics
 import time
 from collections.abc import Iterable
 
 import torch
+
+from shared import storage
+from shared.storage import AppendLog
 
 # Dense bf16/fp16 tensor-core peaks from the vendors' datasheets (no sparsity), TFLOP/s.
 GPU_PEAK_TFLOPS = {
@@ -77,7 +79,8 @@ class StepMetrics:
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_tflops * 1e12 * world_size
         self.world_size = world_size
-        self.path = path  # metrics.jsonl (rank 0 only), or None
+        self.path = path  # metrics.jsonl (rank 0 only; local or object storage), or None
+        self._log = AppendLog(path) if path else None
         self.history: list[dict] = []
         self.first_step_end: float | None = None
 
@@ -101,9 +104,11 @@ class StepMetrics:
             "mfu": tokens_per_s * self.flops_per_token / self.peak_flops,
         }
         self.history.append(row)
-        if self.path:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        if self._log is not None:
+            self._log.append(json.dumps(row) + "\n")
+            # On object storage the log is rewritten in one PUT: at checkpoints and the end.
+            if step % self.cfg.checkpoint_every == 0 or step == self.cfg.last_step:
+                self._log.flush()
         return row
 
     def progress_line(self, row: dict) -> str:
@@ -143,20 +148,16 @@ class StepMetrics:
 
 
 def rank0_metrics_path(run_dir: str, rank: int) -> str | None:
-    """metrics.jsonl in the run directory when it is a filesystem path (local or NFS)."""
-    if rank != 0 or "://" in run_dir:
-        return None
-    os.makedirs(run_dir, exist_ok=True)
-    return os.path.join(run_dir, "metrics.jsonl")
+    """metrics.jsonl in the run directory (local, NFS or object storage), for rank 0."""
+    return storage.join(run_dir, "metrics.jsonl") if rank == 0 else None
 
 
 def read_metrics(path: str) -> list[dict]:
     """metrics.jsonl rows in step order, one per step: a step that was trained again after a
     restart from an older checkpoint keeps its latest row."""
     by_step: dict[int, dict] = {}
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                row = json.loads(line)
-                by_step[row["step"]] = row
+    for line in storage.read_text(path).splitlines():
+        if line.strip():
+            row = json.loads(line)
+            by_step[row["step"]] = row
     return [by_step[step] for step in sorted(by_step)]

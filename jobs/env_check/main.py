@@ -39,6 +39,7 @@ from shared.launch import (
 )
 from shared.precision import precision_support, supports_bf16
 from shared.stack import register_process
+from shared import storage
 from shared.storage import write_json_atomic
 
 
@@ -222,7 +223,7 @@ def main() -> None:
             raise run.result.error
         workers, allreduce = run.result.metrics["workers"], run.result.metrics["allreduce"]
         print_report(nodes, workers, allreduce, cfg.num_workers)
-        path = os.path.join(cfg.run_dir, REPORT_FILE)  # the full report, with the node table
+        path = storage.join(cfg.run_dir, REPORT_FILE)  # the full report, with the node table
         write_json_atomic(path, json.dumps({"nodes": nodes, **run.result.metrics}, indent=2))
         run.extra = {
             "report": path,
