@@ -9,7 +9,8 @@ S3 API answers, creates the bucket, writes ``<state>/env.sh`` (and ``env.mk`` fo
 Makefile) and prints the standard variables to export (``AWS_ENDPOINT_URL``,
 ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``): the jobs read nothing else,
 so the same run works against AWS S3, GCS's S3 API or MinIO. ``down`` stops it by the PID
-recorded in ``<state>/server.pid`` (SIGTERM, a short wait, then SIGKILL: weed ignores SIGTERM for seconds).
+recorded in ``<state>/server.pid`` (SIGTERM, a short wait, then SIGKILL: weed ignores
+SIGTERM for seconds).
 
 The server and its clients must share a network namespace: under ``LOOPBACK_ONLY=1`` start
 both inside one ``ci/loopback.sh`` wrapper (it does not nest a new namespace).
@@ -95,8 +96,9 @@ class S3Server:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         pid_file = self.state_dir / "server.pid"
         if pid_file.exists() and _alive_weed(int(pid_file.read_text())):
+            pid = pid_file.read_text().strip()
             raise SystemExit(f"error: an S3 server already runs from {self.state_dir} "
-                             f"(pid {pid_file.read_text().strip()}); run make s3-down first.")  # fmt: skip
+                             f"(pid {pid}); run make s3-down first.")  # fmt: skip
         data = self.state_dir / "data"
         shutil.rmtree(data, ignore_errors=True)  # fresh: no buckets or objects from before
         data.mkdir()
@@ -242,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
           f"s3://{server.bucket}; `make` targets pick these up, a shell needs:")  # fmt: skip
     for key, value in server.env().items():
         print(f"export {key}={value}")
-    print(f"# e.g. make run-local JOB=ddp ARGS=\"storage_path=s3://{server.bucket}/runs\"")
+    print(f'# e.g. make run-local JOB=ddp ARGS="storage_path=s3://{server.bucket}/runs"')
     return 0
 
 

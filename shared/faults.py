@@ -1,7 +1,8 @@
 """Failure injection for testing recovery: make one rank die at a chosen step.
 
 One-shot by default: before dying, the failing rank writes a marker file into the run
-directory (local or object storage, through :mod:`shared.storage`), so the restarted attempt (which replays the same steps) does not fail again.
+directory (local or object storage, through :mod:`shared.storage`), so the restarted attempt
+(which replays the same steps) does not fail again.
 ``fail_times=N`` lets N attempts fail, to exhaust ``max_failures``.
 """
 

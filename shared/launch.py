@@ -23,12 +23,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from shared import storage
 from shared.cluster import ClusterInfo, check_local_resources, ray_cluster, train_worker_nodes
 from shared.config import ConfigError, user_fields
 from shared.data import global_order_batches, skip_consumed
-from shared.stack import DRIVER, register_process
-from shared import storage
 from shared.lease import run_lease
+from shared.stack import DRIVER, register_process
 from shared.storage import write_json_atomic
 
 SUMMARY_KEYS = (

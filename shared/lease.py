@@ -161,7 +161,8 @@ class Lease:
             return True
         if time.time() > holder.expires:
             print(f"taking over the lease of {self.run_dir}: it expired "
-                  f"{time.time() - holder.expires:.0f} s ago ({holder.describe()})", flush=True)
+                  f"{time.time() - holder.expires:.0f} s ago ({holder.describe()})",
+                  flush=True)  # fmt: skip
             return True
         return False
 
@@ -192,10 +193,10 @@ class Lease:
             time.sleep(SETTLE_S)
             holder = self.read()
             if holder is None or holder.owner != self.owner:
-                raise self._refuse(holder) if holder else LeaseHeld(
-                    f"run {self.run_dir}: the lease vanished while it was being taken; "
-                    "another driver is starting the same run."
-                )
+                if holder is not None:
+                    raise self._refuse(holder)
+                raise LeaseHeld(f"run {self.run_dir}: the lease vanished while it was being "
+                                "taken; another driver is starting the same run.")  # fmt: skip
         self.held = True
         self._thread = threading.Thread(target=self._heartbeat, name="run-lease", daemon=True)
         self._thread.start()

@@ -5,8 +5,8 @@ who waits in which collective (or data iterator, or checkpoint write) and who ne
 
 How it finds the processes: the driver and every train worker write one small JSON file
 into ``<run_dir>/processes/`` (for a run on object storage: the node-local mirror of the run
-directory, see ``storage.node_local_dir``) when they start (:func:`register_process`); this command picks
-the newest run of the job whose driver is still alive (or ``--run NAME``) and runs
+directory, see ``storage.node_local_dir``) when they start (:func:`register_process`); this
+command picks the newest run of the job whose driver is still alive (or ``--run NAME``) and runs
 ``py-spy dump --pid`` on each process that lives on this machine. No Ray connection is
 needed, so it works when Ray itself is stuck. Unlike ``ray stack`` it dumps only this job's
 processes, not every Ray worker on the machine.

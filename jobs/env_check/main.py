@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from ray.train.torch import TorchTrainer
 
+from shared import storage
 from shared.cluster import topology
 from shared.config import BaseConfig, ConfigError, parse_args, setting
 from shared.launch import (
@@ -39,7 +40,6 @@ from shared.launch import (
 )
 from shared.precision import precision_support, supports_bf16
 from shared.stack import register_process
-from shared import storage
 from shared.storage import write_json_atomic
 
 
