@@ -270,7 +270,7 @@ def summarize(run: JobRun, wall_s: float, error: BaseException | None) -> dict:
         "tokens_per_s": metrics.get("tokens_per_s"),
         "time_to_first_step_s": metrics.get("time_to_first_step_s"),
         "wall_s": round(wall_s, 2),
-        "checkpoint": ckpt.path if ckpt is not None else None,
+        "checkpoint": checkpoint_uri(cfg.run_dir, ckpt.path) if ckpt is not None else None,
         "resumed_from_step": metrics.get("resumed_from_step"),
         "run_dir": cfg.run_dir,
     }
@@ -313,6 +313,14 @@ def train_on_text(
         )
         run.result = trainer.fit()
         run.extra["worker_nodes"] = train_worker_nodes()
+
+
+def checkpoint_uri(run_dir: str, path: str) -> str:
+    """Ray's checkpoint path is inside its filesystem ("bucket/key"): give it the run
+    directory's scheme back (s3://bucket/key) so users can open it."""
+    if storage.is_remote(run_dir) and "://" not in path:
+        return f"{run_dir.split('://', 1)[0]}://{path.lstrip('/')}"
+    return path
 
 
 def latest_complete_checkpoint(run_dir: str) -> str | None:
