@@ -28,6 +28,10 @@ NO_USAGE_STATS := RAY_USAGE_STATS_ENABLED=0
 # (DeepSpeed's setup.py runs at install) where the Anyscale token is in the environment.
 SUBMIT_VENV := build/anyscale-cli
 ANYSCALE_PIN := $(shell grep -E '^anyscale==' constraints.txt)
+S3_STATE ?= build/s3
+S3_BUCKET ?= templates
+# While `make s3-up`'s server runs, every target gets its standard AWS_* variables.
+-include $(S3_STATE)/env.mk
 
 # Fail on a bad JOB (or DEST) before anything is installed or started.
 JOB_TARGETS := run-local run-cluster submit render-kuberay run-kuberay kind-image template stack
@@ -47,12 +51,12 @@ endif
 
 .PHONY: help setup run-local test test-unit lint clean stack tensorboard \
 	run-cluster submit compute-configs containerfiles render-kuberay run-kuberay kuberay-crds \
-	kind-up kind-image kind-down template validate plan bench anyscale-cli
+	kind-up kind-image kind-down template validate plan bench anyscale-cli s3-up s3-down
 
 help: ## Show the targets
 	@echo "usage: make <target> [JOB=<job>] [PROFILE=smoke|full] [ARGS=\"key=value ...\"]"
 	@echo
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-15s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-15s %s\n", $$1, $$2}'
 	@echo
 	@echo "jobs: $(JOBS)"
 
@@ -71,6 +75,14 @@ stack: ## Python stacks of JOB's running driver + workers: make stack JOB=ddp [A
 
 tensorboard: setup ## TensorBoard over every run under runs/ (http://127.0.0.1:6006)
 	$(VENV)/bin/tensorboard --logdir runs --host 127.0.0.1
+
+# Not wrapped in $(NET): under LOOPBACK_ONLY=1 the server must live in the namespace the jobs
+# use, so run the whole sequence inside one ci/loopback.sh (s3-up refuses otherwise).
+s3-up: setup ## Local S3 server (SeaweedFS on 127.0.0.1) + a bucket (S3_BUCKET=templates); prints the AWS_* exports
+	$(PY) -m ci.s3_server up --state $(S3_STATE) --bucket $(S3_BUCKET)
+
+s3-down: ## Stop the local S3 server started by s3-up (by its PID) and delete its data
+	$(PY) -m ci.s3_server down --state $(S3_STATE)
 
 # --- the same job on a cluster: local multi-node, Anyscale, KubeRay (README: "Run it on a cluster")
 run-cluster: setup ## JOB on a local head + worker node via the Ray Jobs API (ray job submit)

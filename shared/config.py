@@ -197,7 +197,8 @@ class TrainConfig(BaseConfig):
             )
         if self.dataset and "://" not in self.dataset and not os.path.exists(self.dataset):
             raise ConfigError(f"dataset path '{self.dataset}' does not exist.")
-        if self.tokenizer and os.sep in self.tokenizer and not os.path.isdir(self.tokenizer):
+        if (self.tokenizer and os.sep in self.tokenizer and "://" not in self.tokenizer
+                and not os.path.isdir(self.tokenizer)):  # fmt: skip
             raise ConfigError(f"tokenizer directory '{self.tokenizer}' does not exist.")
 
     def _validate_profile_steps(self) -> None:

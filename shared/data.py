@@ -25,6 +25,8 @@ from shared import storage
 from shared.storage import atomic_directory
 
 EOS = "<|endoftext|>"
+# Written last into a generated corpus on object storage: without it the corpus is incomplete.
+COMPLETE_MARKER = "_COMPLETE"
 GENERATOR_VERSION = 1  # bump when the generated text changes, so caches are rebuilt
 
 # AG News' four classes. Each has its own vocabulary, so the next word is predictable from
@@ -144,7 +146,14 @@ def generate_news_corpus(root: str, num_rows: int, seed: int, vocab_size: int = 
     import pyarrow.parquet as pq
 
     name = f"news-v{GENERATOR_VERSION}-rows{num_rows}-seed{seed}-vocab{vocab_size}"
-    final = os.path.join(root, name)
+    final = storage.join(root, name)
+    if storage.is_remote(final):  # object storage: generate on this node, upload, marker last
+        if not storage.exists(storage.join(final, COMPLETE_MARKER)):
+            local = generate_news_corpus(storage.node_local_dir(root), num_rows, seed, vocab_size)
+            storage.upload_dir(os.path.dirname(local.dataset), final)
+            storage.write_text(storage.join(final, COMPLETE_MARKER), "")
+        return TextSource(dataset=storage.join(final, "train.parquet"),
+                          tokenizer=storage.join(final, "tokenizer"))  # fmt: skip
     if not os.path.isdir(final):
         with atomic_directory(final) as tmp:
             rows = generate_news_rows(num_rows, seed)
@@ -164,7 +173,7 @@ def resolve_text_source(cfg: Any) -> TextSource:
     generated = None
     if not cfg.dataset or not cfg.tokenizer:
         generated = generate_news_corpus(
-            os.path.join(cfg.storage_path, "_data"), cfg.smoke_rows, cfg.seed
+            storage.join(cfg.storage_path, "_data"), cfg.smoke_rows, cfg.seed
         )
     return TextSource(
         dataset=cfg.dataset or generated.dataset,
@@ -246,7 +255,19 @@ def load_tokenizer(name_or_dir: str):
     """Cached per process: Ray Data reuses its worker processes across batches."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(name_or_dir)
+    return AutoTokenizer.from_pretrained(local_tokenizer_dir(name_or_dir))
+
+
+def local_tokenizer_dir(name_or_dir: str) -> str:
+    """A tokenizer directory on object storage is copied to this node once (transformers
+    reads only local directories or hub names); anything else is returned as it is."""
+    if not storage.is_remote(name_or_dir):
+        return name_or_dir
+    final = storage.node_local_dir(name_or_dir)
+    if not os.path.isdir(final):
+        with atomic_directory(final) as tmp:  # several Ray Data workers may race here
+            storage.download_dir(name_or_dir, tmp)
+    return final
 
 
 def tokenizer_spec(name_or_dir: str) -> dict[str, int]:

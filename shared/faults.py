@@ -1,7 +1,8 @@
 """Failure injection for testing recovery: make one rank die at a chosen step.
 
 One-shot by default: before dying, the failing rank writes a marker file into the run
-directory, so the restarted attempt (which replays the same steps) does not fail again.
+directory (local or object storage, through :mod:`shared.storage`), so the restarted attempt
+(which replays the same steps) does not fail again.
 ``fail_times=N`` lets N attempts fail, to exhaust ``max_failures``.
 """
 
@@ -11,6 +12,7 @@ import os
 import signal
 import time
 
+from shared import storage
 from shared.parallel.base import Strategy
 
 
@@ -22,10 +24,10 @@ class FailureInjector:
     def __init__(self, cfg, rank: int):
         self.cfg = cfg
         self.rank = rank
-        self.marker_dir = os.path.join(cfg.run_dir, "injected_failures")
+        self.marker_dir = storage.join(cfg.run_dir, "injected_failures")
 
     def fired(self) -> int:
-        return len(os.listdir(self.marker_dir)) if os.path.isdir(self.marker_dir) else 0
+        return len([n for n in storage.listdir(self.marker_dir) if not n.startswith(".")])
 
     def maybe_fail(self, step: int, during_checkpoint: bool) -> None:
         cfg = self.cfg
@@ -37,11 +39,9 @@ class FailureInjector:
         ):
             return
         n = self.fired() + 1
-        os.makedirs(self.marker_dir, exist_ok=True)
-        with open(os.path.join(self.marker_dir, f"{n}"), "w") as f:
-            f.write(f"rank {self.rank} step {step} mode {cfg.fail_mode}\n")
-            f.flush()
-            os.fsync(f.fileno())
+        # Complete on storage before the process dies (a whole-file write or one PUT).
+        storage.write_text(storage.join(self.marker_dir, f"{n}"),
+                           f"rank {self.rank} step {step} mode {cfg.fail_mode}\n")  # fmt: skip
         where = "while writing its checkpoint" if during_checkpoint else "after its update"
         print(f"FAULT INJECTION {n}/{cfg.fail_times}: rank {self.rank} dies at step {step} "
               f"{where} (fail_mode={cfg.fail_mode})", flush=True)  # fmt: skip

@@ -27,6 +27,7 @@ from shared import storage
 from shared.cluster import ClusterInfo, check_local_resources, ray_cluster, train_worker_nodes
 from shared.config import ConfigError, user_fields
 from shared.data import global_order_batches, skip_consumed
+from shared.lease import run_lease
 from shared.loop import DIVERGENCE_FILE
 from shared.metrics import strict_json
 from shared.run_settings import check_resume
@@ -148,10 +149,10 @@ class GlobalOrderSession(RaySession):
         super().__init__(cfg)
         self.attempt = _attempt_id(self.rank)  # same id on every rank of this worker group
         self.sample_log = None
-        if log_samples:
-            os.makedirs(os.path.join(cfg.run_dir, "samples"), exist_ok=True)
-            self.sample_log = os.path.join(
-                cfg.run_dir, "samples", f"{self.attempt}-rank{self.rank}.jsonl"
+        if log_samples:  # flushed at every report: what a resume keeps is always on storage
+            self.sample_log = storage.AppendLog(
+                storage.join(cfg.run_dir, "samples", f"{self.attempt}-rank{self.rank}.jsonl"),
+                flush_every_s=float("inf"),
             )
 
     def epoch_batches(self, epoch: int, start_sample: int) -> Iterator[torch.Tensor]:
@@ -161,11 +162,15 @@ class GlobalOrderSession(RaySession):
         )
         for index, batch in ordered:
             if self.sample_log:
-                with open(self.sample_log, "a") as f:
-                    f.write(
-                        json.dumps({"attempt": self.attempt, "epoch": epoch, "batch": index}) + "\n"
-                    )
+                self.sample_log.append(
+                    json.dumps({"attempt": self.attempt, "epoch": epoch, "batch": index}) + "\n"
+                )
             yield batch
+
+    def report(self, metrics: dict, checkpoint_dir: str | None = None) -> None:
+        if self.sample_log:
+            self.sample_log.flush()
+        super().report(metrics, checkpoint_dir)
 
 
 def _attempt_id(rank: int) -> int:
@@ -302,7 +307,7 @@ def summarize(run: JobRun, wall_s: float, error: BaseException | None) -> dict:
         "tokens_per_s": metrics.get("tokens_per_s"),
         "time_to_first_step_s": metrics.get("time_to_first_step_s"),
         "wall_s": round(wall_s, 2),
-        "checkpoint": ckpt.path if ckpt is not None else None,
+        "checkpoint": checkpoint_uri(cfg.run_dir, ckpt.path) if ckpt is not None else None,
         "resumed_from_step": metrics.get("resumed_from_step"),
         "run_dir": cfg.run_dir,
     }
@@ -356,13 +361,19 @@ def train_on_text(
         run.extra["worker_nodes"] = train_worker_nodes()
 
 
+def checkpoint_uri(run_dir: str, path: str) -> str:
+    """Ray's checkpoint path is inside its filesystem ("bucket/key"): give it the run
+    directory's scheme back (s3://bucket/key) so users can open it."""
+    if storage.is_remote(run_dir) and "://" not in path:
+        return f"{run_dir.split('://', 1)[0]}://{path.lstrip('/')}"
+    return path
+
+
 def latest_complete_checkpoint(run_dir: str) -> str | None:
     """The newest ``step_*`` checkpoint in the run directory that has its train state."""
-    if "://" in run_dir or not os.path.isdir(run_dir):
-        return None
-    names = sorted(n for n in os.listdir(run_dir) if n.startswith("step_"))
-    complete = [n for n in names if os.path.exists(os.path.join(run_dir, n, "train_state.json"))]
-    return os.path.join(run_dir, complete[-1]) if complete else None
+    names = sorted(n for n in storage.listdir(run_dir) if n.startswith("step_"))
+    complete = [n for n in names if storage.exists(storage.join(run_dir, n, "train_state.json"))]
+    return storage.join(run_dir, complete[-1]) if complete else None
 
 
 def start_block(cfg) -> str:
@@ -399,8 +410,11 @@ def job_run(cfg, run: JobRun | None = None, preflight=()) -> Iterator[JobRun]:
         print(f"resuming {cfg.job}/{cfg.run_name} with changed settings: {', '.join(changes)}",
               flush=True)  # fmt: skip
     error: BaseException | None = None
+    lease = run_lease(cfg)  # before any cluster: a second driver for this run exits here (2)
     try:
-        with ray_cluster(cfg, token_file=os.path.join(cfg.run_dir, "ray-auth-token")) as info:
+        # The token is a secret for this node's cluster: never on object storage.
+        token_file = os.path.join(storage.node_local_dir(cfg.run_dir), "ray-auth-token")
+        with ray_cluster(cfg, token_file=token_file) as info:
             run.cluster = info
             register_process(cfg.run_dir, DRIVER)  # for `make stack`
             print(start_block(cfg), flush=True)
@@ -420,6 +434,7 @@ def job_run(cfg, run: JobRun | None = None, preflight=()) -> Iterator[JobRun]:
             traceback.print_exc()
     summary = summarize(run, time.time() - cfg.driver_start_time, error)
     storage.write_text(storage.join(cfg.run_dir, "summary.json"), strict_json(summary, indent=2))
+    lease.release()
     if error:
         resume = (
             f"; last complete checkpoint: {summary['checkpoint']}" if summary["checkpoint"] else ""

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 import torch
 
 from shared import storage
+from shared.storage import AppendLog
 
 # Dense bf16/fp16 tensor-core peaks from the vendors' datasheets (no sparsity), TFLOP/s.
 GPU_PEAK_TFLOPS = {
@@ -95,31 +96,6 @@ def strict_json(record: dict, **dump_kwargs) -> str:
     return json.dumps(clean, allow_nan=False, default=str, **dump_kwargs)
 
 
-class MetricsLog:
-    """metrics.jsonl, one strict-JSON row per step, through shared/storage.py.
-
-    Local (or NFS) run directories get a line appended per step. Object stores cannot append
-    (an append rewrites the object), so there rows are buffered and written at each
-    :meth:`flush` (the loop flushes at every checkpoint and at the end)."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.remote = storage.is_remote(path)
-        self.pending: list[str] = []
-
-    def append(self, row: dict) -> None:
-        line = strict_json(row) + "\n"
-        if self.remote:
-            self.pending.append(line)
-        else:
-            storage.append_text(self.path, line)
-
-    def flush(self) -> None:
-        if self.pending:
-            storage.append_text(self.path, "".join(self.pending))
-            self.pending = []
-
-
 class StepMetrics:
     """Per-step numbers on every rank; the history, metrics.jsonl and the progress line on
     rank 0. The definitions are in docs/observability.md ("What the numbers mean"); the
@@ -132,8 +108,8 @@ class StepMetrics:
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_tflops * 1e12 * world_size
         self.world_size = world_size
-        self.path = path  # metrics.jsonl (rank 0 only), or None
-        self.log = MetricsLog(path) if path else None
+        self.path = path  # metrics.jsonl (rank 0 only; local or object storage), or None
+        self.log = AppendLog(path) if path else None
         self.history: list[dict] = []
         self.first_step_end: float | None = None
 
@@ -158,7 +134,7 @@ class StepMetrics:
         }
         self.history.append(row)
         if self.log is not None:
-            self.log.append(row)
+            self.log.append(strict_json(row) + "\n")
         return row
 
     def flush(self) -> None:
@@ -209,10 +185,8 @@ class StepMetrics:
 
 
 def rank0_metrics_path(run_dir: str, rank: int) -> str | None:
-    """metrics.jsonl in the run directory (local path or object store), rank 0 only."""
-    if rank != 0:
-        return None
-    return storage.join(run_dir, "metrics.jsonl")
+    """metrics.jsonl in the run directory (local, NFS or object storage), for rank 0."""
+    return storage.join(run_dir, "metrics.jsonl") if rank == 0 else None
 
 
 def read_metrics(path: str) -> list[dict]:

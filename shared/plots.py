@@ -7,7 +7,7 @@ SSH sessions have no display. Every function returns the path it wrote.
 
 from __future__ import annotations
 
-import os
+import io
 from collections.abc import Sequence
 
 import matplotlib
@@ -16,14 +16,18 @@ matplotlib.use("Agg")  # before pyplot is imported anywhere: no display on worke
 
 import matplotlib.pyplot as plt  # noqa: E402  (must follow matplotlib.use)
 
+from shared import storage  # noqa: E402
+
 FIGURE_DPI = 110
 
 
 def _save(fig, path: str) -> str:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    """Render to PNG bytes and write them through the storage layer (local or s3://)."""
     fig.tight_layout()
-    fig.savefig(path, dpi=FIGURE_DPI)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=FIGURE_DPI)
     plt.close(fig)  # long-lived workers draw more than one figure: do not leak them
+    storage.write_bytes(path, buffer.getvalue())
     return path
 
 

@@ -26,11 +26,12 @@ from __future__ import annotations
 import functools
 import os
 import re
-import tempfile
 from collections.abc import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, record_function
+
+from shared import storage
 
 DATA_LOADING = "data_loading"
 HOST_TO_DEVICE = "host_to_device"
@@ -74,11 +75,9 @@ def in_range(name: str, fn: Callable) -> Callable:
 
 
 def profile_dir(run_dir: str) -> str:
-    """``<run_dir>/profile``; for a remote run dir (s3://...) a local temp folder instead,
-    because the profiler writes plain files."""
-    if "://" in run_dir:
-        return os.path.join(tempfile.gettempdir(), "profile", *run_dir.split("://")[1].split("/"))
-    return os.path.join(run_dir, "profile")
+    """``<run_dir>/profile`` (local or object storage: traces are exported on the node and
+    uploaded, because the profiler writes plain files)."""
+    return storage.join(run_dir, "profile")
 
 
 class StepProfiler:
@@ -138,15 +137,20 @@ class StepProfiler:
 
     def _stop_and_export(self) -> None:
         self._profiler.stop()
-        os.makedirs(self.out, exist_ok=True)
-        self.trace_path = os.path.join(self.out, f"rank{self.rank}.json")
-        self._profiler.export_chrome_trace(self.trace_path)
+        local_out = storage.node_local_dir(self.out)
+        os.makedirs(local_out, exist_ok=True)
+        written = [f"rank{self.rank}.json"]
+        self._profiler.export_chrome_trace(os.path.join(local_out, written[0]))
         self._profiler = None
         if self._on_gpu():
-            torch.cuda.memory._dump_snapshot(
-                os.path.join(self.out, f"rank{self.rank}_cuda_memory.pickle")
-            )
+            written.append(f"rank{self.rank}_cuda_memory.pickle")
+            torch.cuda.memory._dump_snapshot(os.path.join(local_out, written[-1]))
             torch.cuda.memory._record_memory_history(enabled=None)
+        if storage.is_remote(self.out):  # only this rank's files: others may be mid-write
+            for name in written:
+                with open(os.path.join(local_out, name), "rb") as f:
+                    storage.write_bytes(storage.join(self.out, name), f.read())
+        self.trace_path = storage.join(self.out, written[0])
         if self.rank == 0:
             first, last = self.steps
             print(f"profiler: steps {first}-{last} traced to {self.out}/rank<r>.json (one per "

@@ -4,8 +4,9 @@ The first thing to look at when a job hangs: every process's current Python stac
 who waits in which collective (or data iterator, or checkpoint write) and who never got there.
 
 How it finds the processes: the driver and every train worker write one small JSON file
-into ``<run_dir>/processes/`` when they start (:func:`register_process`); this command picks
-the newest run of the job whose driver is still alive (or ``--run NAME``) and runs
+into ``<run_dir>/processes/`` (for a run on object storage: the node-local mirror of the run
+directory, see ``storage.node_local_dir``) when they start (:func:`register_process`); this
+command picks the newest run of the job whose driver is still alive (or ``--run NAME``) and runs
 ``py-spy dump --pid`` on each process that lives on this machine. No Ray connection is
 needed, so it works when Ray itself is stuck. Unlike ``ray stack`` it dumps only this job's
 processes, not every Ray worker on the machine.
@@ -28,6 +29,8 @@ import sys
 
 import psutil
 
+from shared.storage import node_local_dir
+
 PROCESSES_DIR = "processes"
 DRIVER = "driver"
 
@@ -35,8 +38,9 @@ DRIVER = "driver"
 def register_process(run_dir: str, role: str) -> None:
     """Record this process (``driver`` or ``rank<r>``) for ``make stack``. A restarted worker
     group overwrites its ranks' files. Best effort: never fails the job."""
-    if "://" in run_dir:
-        return  # remote storage: there is no local process to point at from it
+    # Process ids only mean something on their node: for a run on object storage the records
+    # go to this node's mirror of the run directory (storage.node_local_dir).
+    run_dir = node_local_dir(run_dir)
     me = psutil.Process()
     record = {
         "role": role,
@@ -129,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--native", action="store_true", help="include C/C++ frames")
     args = parser.parse_args(argv)
 
-    job_dir = os.path.join(args.storage, args.job)
+    job_dir = node_local_dir(os.path.join(args.storage, args.job))
     run_dir = os.path.join(job_dir, args.run) if args.run else find_running_run(job_dir)
     if run_dir is None:
         print(f"error: no running {args.job} job found under {job_dir}/ (is it running, with "

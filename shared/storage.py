@@ -18,6 +18,7 @@ import os
 import posixpath
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from functools import cache
 
@@ -188,3 +189,50 @@ def atomic_directory(final: str) -> Iterator[str]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def node_local_dir(path: str) -> str:
+    """A directory on this node's disk for ``path``: ``path`` itself when it is local, else a
+    mirror under the temp directory (for what only makes sense per node, such as process
+    records, or what is written locally and uploaded later, such as TensorBoard events)."""
+    if not is_remote(path):
+        return local_path(path)
+    scheme, rest = path.split("://", 1)
+    return os.path.join(tempfile.gettempdir(), "ray-train-templates", "node-local", scheme, rest)
+
+
+class AppendLog:
+    """A line log (metrics.jsonl, sample logs) on local disk or object storage.
+
+    Local: every ``append`` goes straight to the file. Object stores cannot append, so there
+    the log keeps its text in memory (starting from what the object already holds, so a
+    resumed run continues it) and rewrites the object on ``flush``: at most every
+    ``flush_every_s`` seconds from ``append``, and whenever the caller says (a checkpoint,
+    the end of the run). Lines appended since the last flush are lost if the process dies.
+    """
+
+    def __init__(self, path: str, flush_every_s: float = 10.0):
+        self.path = path
+        self.remote = is_remote(path)
+        self.flush_every_s = flush_every_s
+        self._text: list[str] = []
+        self._dirty = False
+        self._last_flush = time.monotonic()
+        if self.remote and exists(path):
+            self._text.append(read_text(path))
+
+    def append(self, text: str) -> None:
+        if not self.remote:
+            append_text(self.path, text)
+            return
+        self._text.append(text)
+        self._dirty = True
+        if time.monotonic() - self._last_flush >= self.flush_every_s:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.remote and self._dirty:
+            self._text = ["".join(self._text)]
+            write_text(self.path, self._text[0])
+            self._dirty = False
+        self._last_flush = time.monotonic()

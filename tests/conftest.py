@@ -67,3 +67,35 @@ def ray_local(tmp_path_factory):
     cfg = BaseConfig(storage_path=str(tmp_path_factory.mktemp("ray")))
     with ray_cluster(cfg) as info:
         yield info
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """One real S3 server (SeaweedFS on 127.0.0.1) for the whole session, with the standard
+    AWS_* variables set in this process, so job subprocesses and pyarrow find it.
+
+    Run the tests and the server in one network namespace (``ci/loopback.sh`` does not nest
+    a new one)."""
+    from ci.s3_server import S3Server
+
+    server = S3Server(tmp_path_factory.mktemp("s3"), bucket="tests")
+    server.start()
+    saved = {key: os.environ.get(key) for key in server.env()}
+    os.environ.update(server.env())
+    try:
+        yield server
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        server.stop()
+
+
+@pytest.fixture
+def s3_prefix(s3_server, request) -> str:
+    """A fresh ``s3://`` prefix for one test."""
+    import uuid
+
+    return f"s3://{s3_server.bucket}/{request.node.name.split('[')[0]}-{uuid.uuid4().hex[:8]}"

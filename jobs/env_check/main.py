@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from ray.train.torch import TorchTrainer
 
+from shared import storage
 from shared.cluster import topology
 from shared.config import BaseConfig, ConfigError, parse_args, setting
 from shared.launch import (
@@ -237,7 +238,7 @@ def main() -> None:
             raise run.result.error
         workers, allreduce = run.result.metrics["workers"], run.result.metrics["allreduce"]
         print_report(nodes, workers, allreduce, cfg.num_workers)
-        path = os.path.join(cfg.run_dir, REPORT_FILE)  # the full report, with the node table
+        path = storage.join(cfg.run_dir, REPORT_FILE)  # the full report, with the node table
         write_json_atomic(path, json.dumps({"nodes": nodes, **run.result.metrics}, indent=2))
         run.extra = {
             "report": path,

@@ -23,6 +23,7 @@ import ray.train
 import ray.train.torch
 from ray.train import DataConfig
 
+from shared import storage
 from shared.checkpoint import TRAIN_STATE_FILE
 from shared.config import FaultToleranceConfig, parse_args
 from shared.faults import FailureInjector, FaultInjectingStrategy
@@ -91,9 +92,11 @@ def train_loop_per_worker(config: dict) -> None:
     session.cfg = cfg
     injector = FailureInjector(cfg, session.rank)
     if session.rank == 0:
-        with open(os.path.join(cfg.run_dir, ATTEMPTS_FILE), "a") as f:
-            f.write(json.dumps({"attempt": session.attempt, "driver": cfg.driver_start_time,
-                                "world_size": session.world_size}) + "\n")  # fmt: skip
+        # One line per worker-group start: small enough to rewrite on object storage.
+        storage.append_text(storage.join(cfg.run_dir, ATTEMPTS_FILE),
+                            json.dumps({"attempt": session.attempt,
+                                        "driver": cfg.driver_start_time,
+                                        "world_size": session.world_size}) + "\n")  # fmt: skip
         if injector.fired():
             print(f"worker group restarted by Ray Train after {injector.fired()} injected "
                   "failure(s); resuming from the latest checkpoint", flush=True)  # fmt: skip
@@ -109,11 +112,10 @@ def train_loop_per_worker(config: dict) -> None:
 
 def failures_recovered(cfg: FaultToleranceConfig) -> dict:
     """Worker-group restarts during this driver's run (each attempt logs one line)."""
-    path = os.path.join(cfg.run_dir, ATTEMPTS_FILE)
-    if not os.path.exists(path):
+    path = storage.join(cfg.run_dir, ATTEMPTS_FILE)
+    if not storage.exists(path):
         return {"failures_recovered": 0}
-    with open(path) as f:
-        attempts = [json.loads(line) for line in f if line.strip()]
+    attempts = [json.loads(line) for line in storage.read_text(path).splitlines() if line.strip()]
     mine = [a for a in attempts if a["driver"] == cfg.driver_start_time]
     return {"failures_recovered": max(0, len(mine) - 1), "attempts": len(mine)}
 

@@ -1,0 +1,217 @@
+"""Every job end to end with ``storage_path=s3://...`` on a real S3 server (SeaweedFS on
+127.0.0.1), and one driver per run (the lease) with a second and a killed driver.
+
+Run the server and the tests in one network namespace:
+``ci/loopback.sh .venv/bin/python -m pytest -p no:xdist tests/test_e2e_s3.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+
+import pytest
+from conftest import REPO, run_job
+
+from shared import storage
+
+pytestmark = pytest.mark.e2e
+
+STEPS = ("max_steps=8", "checkpoint_every=4", "log_every=4")
+
+
+def ok(result) -> dict:
+    assert result.returncode == 0, result.output[-4000:]
+    assert result.summary["status"] == "succeeded"
+    return result.summary
+
+
+def losses(run_dir: str) -> dict[int, float]:
+    rows = storage.read_text(storage.join(run_dir, "metrics.jsonl")).splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, rows)}
+
+
+@pytest.fixture(scope="module")
+def bucket(s3_server) -> str:
+    return f"s3://{s3_server.bucket}/e2e"
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(bucket):
+    """8 steps (steps 2-3 profiled), then the same run name again with 12: resumes at 8."""
+    first = run_job("ddp", *STEPS, "run_name=resume", "profile_steps=2-3", storage=bucket)
+    second = run_job("ddp", "max_steps=12", "checkpoint_every=4", "log_every=4",
+                     "run_name=resume", storage=bucket)  # fmt: skip
+    return ok(first), ok(second)
+
+
+def test_ddp_on_s3_writes_every_run_file_to_the_bucket(ddp_runs, bucket):
+    first, _ = ddp_runs
+    run_dir = f"{bucket}/ddp/resume"
+    assert first["run_dir"] == run_dir and first["steps"] == 8
+    # The checkpoint Ray Train registered, as a URI a user can open.
+    assert first["checkpoint"] == f"{run_dir}/step_000008"
+    assert storage.listdir(first["checkpoint"]) == ["model.pt", "rng", "train_state.json"]
+    assert storage.listdir(storage.join(first["checkpoint"], "rng")) == ["rank0.pt", "rank1.pt"]
+    state = json.loads(storage.read_text(storage.join(first["checkpoint"], "train_state.json")))
+    assert state["step"] == 8 and state["world_size"] == 2
+    # Observability: loss curve, data stats, TensorBoard events and profiler traces uploaded.
+    assert storage.read_bytes(f"{run_dir}/loss_curve.png")[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "MapBatches(tokenize_and_pack)" in storage.read_text(f"{run_dir}/data_stats.txt")
+    events = storage.listdir(f"{run_dir}/tensorboard")
+    assert events and all(name.startswith("events.out.tfevents.") for name in events)
+    for rank in (0, 1):
+        trace = json.loads(storage.read_text(f"{run_dir}/profile/rank{rank}.json"))
+        names = {e.get("name") for e in trace["traceEvents"]}
+        assert {"train_step#2", "train_step#3"} <= names
+    # The generated corpus lives in the bucket too, complete (its marker is written last).
+    corpora = storage.listdir(f"{bucket}/_data")
+    assert len(corpora) == 1
+    corpus = f"{bucket}/_data/{corpora[0]}"
+    assert storage.listdir(corpus) == ["_COMPLETE", "tokenizer", "train.parquet"]
+    # Nothing landed in a local folder named after the URI (os.makedirs("s3://...")).
+    assert not (REPO / "s3:").exists()
+
+
+def test_ddp_on_s3_resumes_from_the_bucket(ddp_runs, bucket):
+    first, second = ddp_runs
+    assert second["resumed_from_step"] == 8 and second["steps"] == 12
+    assert second["steps_this_run"] == 4
+    assert second["initial_loss"] < first["initial_loss"] - 0.5  # restored, not re-initialised
+    run_dir = second["run_dir"]
+    assert json.loads(storage.read_text(f"{run_dir}/summary.json")) == second
+    steps = losses(run_dir)
+    assert sorted(steps) == list(range(1, 13))  # metrics.jsonl continued across both runs
+    assert steps[8] == pytest.approx(first["final_loss"], rel=1e-6)
+    # Released at the end of each run: the next driver takes the run at once.
+    assert not storage.exists(f"{run_dir}/driver.lease")
+
+
+@pytest.mark.parametrize(
+    "job, extra, marker",
+    [
+        ("fsdp", (), "dcp"),
+        ("zero", ("zero_stage=3",), "engine"),
+    ],
+)
+def test_sharded_job_on_s3_matches_ddp(job, extra, marker, ddp_runs, bucket):
+    """Every rank's shards reach the bucket, and the math is DDP's (same seed, same data)."""
+    summary = ok(run_job(job, *extra, *STEPS, f"run_name={job}", storage=bucket))
+    assert summary["checkpoint"] == f"{bucket}/{job}/{job}/step_000008"
+    files = storage.listdir(summary["checkpoint"])
+    assert "train_state.json" in files and "rng" in files
+    if marker == "dcp":
+        shards = storage.listdir(storage.join(summary["checkpoint"], "dcp"))
+        assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(shards)
+    else:
+        assert len(files) > 2
+    reference = losses(ddp_runs[0]["run_dir"])
+    mine = losses(summary["run_dir"])
+    assert sorted(mine) == list(range(1, 9))
+    for step in mine:
+        assert mine[step] == pytest.approx(reference[step], rel=1e-5), step
+
+
+def test_tp2d_on_s3(bucket):
+    summary = ok(run_job("tp2d", *STEPS, "run_name=tp2d", storage=bucket))
+    assert summary["world_size"] == 4 and summary["steps"] == 8
+    assert summary["checkpoint"] == f"{bucket}/tp2d/tp2d/step_000008"
+    assert sorted(losses(summary["run_dir"])) == list(range(1, 9))
+    assert summary["final_loss"] < summary["initial_loss"]
+
+
+def committed_batches(run_dir: str) -> dict[int, Counter]:
+    """As in test_e2e_fault_tolerance, read from the bucket: the batches that are in the
+    final model (what an attempt trained after the next attempt's resume point is undone)."""
+    by_attempt: dict[int, list[tuple[int, int]]] = {}
+    for name in storage.listdir(f"{run_dir}/samples"):
+        for line in storage.read_text(f"{run_dir}/samples/{name}").splitlines():
+            r = json.loads(line)
+            by_attempt.setdefault(r["attempt"], []).append((r["epoch"], r["batch"]))
+    attempts = [by_attempt[a] for a in sorted(by_attempt)]
+    committed: dict[int, Counter] = {}
+    for i, records in enumerate(attempts):
+        resumed_at = min(attempts[i + 1]) if i + 1 < len(attempts) else (1 << 30, 0)
+        for epoch, batch in records:
+            if (epoch, batch) < resumed_at:
+                committed.setdefault(epoch, Counter())[batch] += 1
+    return committed
+
+
+def test_fault_tolerance_on_s3_recovers_exactly_once(bucket):
+    """The job that crashed on s3:// (plain open() of markers, attempts and sample logs)."""
+    summary = ok(run_job("fault_tolerance", "max_steps=12", "checkpoint_every=4",
+                         "fail_at_step=7", "log_samples=true", "run_name=ft",
+                         storage=bucket))  # fmt: skip
+    run_dir = summary["run_dir"]
+    assert summary["checkpoint"].startswith("s3://") and summary["steps"] == 12
+    assert summary["failures_recovered"] == 1 and summary["attempts"] == 2
+    # Step 4's checkpoint, or none if the controller had not registered it yet (it polls).
+    assert summary["resumed_from_step"] in (4, None)
+    assert storage.listdir(f"{run_dir}/injected_failures") == ["1"]
+    attempts = storage.read_text(f"{run_dir}/attempts.jsonl").splitlines()
+    assert len(attempts) == 2
+    committed = committed_batches(run_dir)
+    total = 0
+    for epoch, counts in committed.items():
+        assert set(counts.values()) == {1}, f"epoch {epoch}: a batch was trained on twice"
+        assert sorted(counts) == list(range(len(counts))), f"epoch {epoch}: a batch was skipped"
+        total += len(counts)
+    assert total == 12 * 4  # 12 steps x 2 accumulation x 2 ranks' micro-batches
+
+
+class Driver:
+    """A job driver in the background whose output is read as it comes."""
+
+    def __init__(self, *args: str):
+        cmd = [sys.executable, str(REPO / "jobs" / "fault_tolerance" / "main.py"), *args]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(cmd, cwd=REPO, text=True, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, env=env)  # fmt: skip
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def wait_for(self, text: str, limit_s: float = 400) -> None:
+        deadline = time.monotonic() + limit_s  # a guard against a hang, not an assertion
+        while not any(text in line for line in self.lines):
+            assert self.proc.poll() is None or self._reader.is_alive(), "".join(self.lines)
+            assert time.monotonic() < deadline, "".join(self.lines[-50:])
+            time.sleep(0.5)
+
+
+def test_one_driver_per_run_on_s3(bucket):
+    """A second driver is refused while the first lives; after the first is SIGKILLed the
+    rerun takes the lease over and resumes from the bucket."""
+    args = (f"storage_path={bucket}", "run_name=lease", "max_steps=40", "checkpoint_every=4",
+            "fail_at_step=0")  # fmt: skip
+    first = Driver(*args, "sleep_per_step=0.5")
+    try:
+        first.wait_for("checkpoint saved at step 8")
+        lease = json.loads(storage.read_text(f"{bucket}/fault_tolerance/lease/driver.lease"))
+        assert lease["pid"] == first.proc.pid
+        second = run_job("fault_tolerance", *args[1:], storage=bucket, timeout=120)
+        assert second.returncode == 2, second.output[-3000:]
+        errors = [line for line in second.stderr.splitlines() if line.strip()]
+        assert len(errors) == 1 and "already being trained by another driver" in errors[0]
+        assert f"pid {first.proc.pid}" in errors[0]
+        assert second.summary is None  # refused before any cluster or run started
+    finally:
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait()
+    rerun = run_job("fault_tolerance", *args[1:], storage=bucket)
+    summary = ok(rerun)
+    assert "taking over the lease" in rerun.stdout and "is gone" in rerun.stdout
+    assert summary["resumed_from_step"] is not None and summary["resumed_from_step"] >= 4
+    assert summary["steps"] == 40
+    assert not storage.exists(f"{bucket}/fault_tolerance/lease/driver.lease")
