@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import os
+import posixpath
 import random
 import sys
 import textwrap
@@ -23,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from shared import resume
 from shared.cluster import ClusterInfo, check_local_resources, ray_cluster, train_worker_nodes
 from shared.config import ConfigError, user_fields
 from shared.data import global_order_batches, skip_consumed
@@ -72,17 +74,23 @@ class RaySession:
         self.batch_size = batch_size or cfg.micro_batch_size  # sequences read per batch
         self.samples_per_micro_batch = self.batch_size * self.world_size
         register_process(cfg.run_dir, f"rank{self.rank}")  # for `make stack`
+        self._resume_plan: resume.ResumePlan | None = None
 
     @contextlib.contextmanager
     def latest_checkpoint(self) -> Iterator[str | None]:
-        import ray.train
-
-        ckpt = ray.train.get_checkpoint()
-        if ckpt is None:
-            yield None
-            return
-        with ckpt.as_directory() as directory:
+        """The newest registered checkpoint that verifies (shared/resume.py), as a local dir."""
+        with resume.open_checkpoint(self.resume_plan().checkpoint) as directory:
             yield directory
+
+    def resume_plan(self) -> resume.ResumePlan:
+        """Decided once per worker-group start, by rank 0, for every rank (a collective)."""
+        if self._resume_plan is None:
+            import ray.train
+
+            latest = ray.train.get_checkpoint()
+            name = posixpath.basename(latest.path.rstrip("/")) if latest is not None else None
+            self._resume_plan = resume.plan_resume(self.cfg.run_dir, name, self.rank)
+        return self._resume_plan
 
     def shard_batches(self) -> Iterator[torch.Tensor]:
         """One pass over this rank's streaming shard, ``batch_size`` sequences at a time.
@@ -310,12 +318,8 @@ def train_on_text(
 
 
 def latest_complete_checkpoint(run_dir: str) -> str | None:
-    """The newest ``step_*`` checkpoint in the run directory that has its train state."""
-    if "://" in run_dir or not os.path.isdir(run_dir):
-        return None
-    names = sorted(n for n in os.listdir(run_dir) if n.startswith("step_"))
-    complete = [n for n in names if os.path.exists(os.path.join(run_dir, n, "train_state.json"))]
-    return os.path.join(run_dir, complete[-1]) if complete else None
+    """The checkpoint a rerun resumes from: registered and its manifests verify."""
+    return resume.last_good_checkpoint(run_dir)
 
 
 def start_block(cfg) -> str:

@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from shared import checkpoint
+from shared import checkpoint, resume
 from shared.checkpoint import TrainState
 from shared.metrics import (
     StepMetrics,
@@ -97,10 +97,12 @@ def save_and_report(
     def write(directory: str) -> None:
         strategy.save(directory, session.rank)
         checkpoint.save_train_state(directory, state, session.rank)
+        checkpoint.write_manifest(directory, session.rank, session.world_size, state.step)
 
-    root = checkpoint.staging_root(cfg.run_name, session.rank)
-    directory = checkpoint.stage_checkpoint(root, f"step_{state.step:06d}", write)
-    session.report({**metrics, "checkpoint_step": state.step}, checkpoint_dir=directory)
+    plan = resume.plan_for(session)  # staging keyed by run, attempt and rank; never reused
+    root = checkpoint.staging_root(cfg.run_dir, plan.attempt, session.rank)
+    with checkpoint.staged_checkpoint(root, plan.checkpoint_name(state.step), write) as directory:
+        session.report({**metrics, "checkpoint_step": state.step}, checkpoint_dir=directory)
     if session.rank == 0:
         print(f"checkpoint saved at step {state.step}", flush=True)
 
