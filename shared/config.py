@@ -310,6 +310,9 @@ class FaultToleranceConfig(TrainConfig):
     )
     log_samples: bool = setting(False, "Record every consumed sample id (for verification).")
     sleep_per_step: float = setting(0.0, "Seconds to sleep per step (to watch or interrupt a run).")
+    strategy: str = setting(
+        "ddp", "ddp (rank 0 writes model.pt) or fsdp (every rank writes its DCP shards)."
+    )
 
     def validate(self) -> None:
         super().validate()
@@ -337,6 +340,8 @@ class FaultToleranceConfig(TrainConfig):
             )
         if self.sleep_per_step < 0:
             raise ConfigError(f"sleep_per_step must be >= 0 (got {self.sleep_per_step}).")
+        if self.strategy not in ("ddp", "fsdp"):
+            raise ConfigError(f"strategy must be ddp or fsdp (got '{self.strategy}').")
 
 
 def _at_least(cfg: Any, name: str, minimum: int) -> None:

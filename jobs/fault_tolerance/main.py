@@ -30,6 +30,7 @@ from shared.launch import GlobalOrderSession, JobRun, seed_everything, train_on_
 from shared.loop import train
 from shared.models import build_gpt2
 from shared.parallel.ddp import DDPStrategy
+from shared.parallel.fsdp import FSDPStrategy, apply_fsdp, data_parallel_mesh
 from shared.precision import resolve_dtype
 from shared.profiles import GPT2_AG_NEWS
 
@@ -102,8 +103,13 @@ def train_loop_per_worker(config: dict) -> None:
     model = build_gpt2(
         cfg.model, config["vocab_size"], cfg.seq_len, cfg.pretrained, config["eos_token_id"]
     )
-    model = ray.train.torch.prepare_model(model)  # the trunk's strategy: DDP
-    strategy = DDPStrategy(model, cfg, session.device, resolve_dtype(cfg.dtype, session.device))
+    dtype = resolve_dtype(cfg.dtype, session.device)
+    if cfg.strategy == "fsdp":  # sharded state: every rank writes DCP shards
+        model = apply_fsdp(model.to(session.device), data_parallel_mesh(session.device))
+        strategy = FSDPStrategy(model, cfg, session.device, dtype)
+    else:
+        model = ray.train.torch.prepare_model(model)
+        strategy = DDPStrategy(model, cfg, session.device, dtype)
     train(cfg, FaultInjectingStrategy(strategy, injector, cfg.sleep_per_step), session)
 
 
