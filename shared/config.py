@@ -23,6 +23,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared import elastic
+
 PROFILES = ("smoke", "full")
 # Ray placement-group strategies for the worker bundles (STRICT_* fail instead of degrading).
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -342,6 +344,11 @@ class FaultToleranceConfig(TrainConfig):
             raise ConfigError(f"sleep_per_step must be >= 0 (got {self.sleep_per_step}).")
         if self.strategy not in ("ddp", "fsdp"):
             raise ConfigError(f"strategy must be ddp or fsdp (got '{self.strategy}').")
+        if self.min_workers and self.keep_global_batch:
+            problem = elastic.refusal(self.global_batch_size, self.min_workers, self.num_workers,
+                                      self.micro_batch_size)  # fmt: skip
+            if problem:
+                raise ConfigError(problem)
 
 
 def _at_least(cfg: Any, name: str, minimum: int) -> None:

@@ -92,6 +92,11 @@ class RaySession:
             self._resume_plan = resume.plan_resume(self.cfg.run_dir, name, self.rank)
         return self._resume_plan
 
+    def use_batch_size(self, batch_size: int) -> None:
+        """Read ``batch_size`` sequences per micro-batch (elastic: chosen per world size)."""
+        self.batch_size = batch_size
+        self.samples_per_micro_batch = batch_size * self.world_size
+
     def shard_batches(self) -> Iterator[torch.Tensor]:
         """One pass over this rank's streaming shard, ``batch_size`` sequences at a time.
 
