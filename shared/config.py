@@ -60,6 +60,9 @@ class BaseConfig:
     collective_timeout_s: float = setting(
         1800.0, "A collective (all-reduce, barrier ...) waiting longer fails the run, not hangs."
     )
+    preemption_grace_s: float = setting(
+        30.0, "After a SIGTERM: seconds to reach a step boundary and checkpoint, then exit."
+    )
 
     # set by the launcher, not by users
     job: str = field(default="", metadata={"internal": True})
@@ -83,6 +86,8 @@ class BaseConfig:
         _at_least(self, "keep_checkpoints", 0)
         if self.cpus_per_worker <= 0:
             raise ConfigError(f"cpus_per_worker must be > 0 (got {self.cpus_per_worker}).")
+        if self.preemption_grace_s <= 0:
+            raise ConfigError(f"preemption_grace_s must be > 0 (got {self.preemption_grace_s:g}).")
         if self.collective_timeout_s < 1:
             raise ConfigError(
                 f"collective_timeout_s must be >= 1 (got {self.collective_timeout_s:g})."

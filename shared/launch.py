@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shared import resume
+from shared import preemption, resume
 from shared.cluster import ClusterInfo, check_local_resources, ray_cluster, train_worker_nodes
 from shared.config import ConfigError, user_fields
 from shared.data import global_order_batches, skip_consumed
@@ -59,6 +59,8 @@ def quiet_train_worker_logs() -> None:
 
 class RaySession:
     """What the shared loop needs from Ray Train, inside a training worker."""
+
+    uses_ray = True  # the preemption check may ask Ray Train (shared/preemption.py)
 
     def __init__(self, cfg, dataset_name: str = "train", batch_size: int | None = None):
         import ray.train
@@ -215,9 +217,10 @@ def scaling_config(cfg):
 def torch_config(cfg):
     """The process group Ray Train creates: a collective that waits longer than
     ``collective_timeout_s`` raises (and fails the run) instead of hanging forever."""
-    from ray.train.torch import TorchConfig
-
-    return TorchConfig(timeout_s=int(cfg.collective_timeout_s))
+    # ... and whose workers checkpoint and stop on SIGTERM (shared/preemption.py).
+    config_class = preemption.torch_config_class()
+    return config_class(timeout_s=int(cfg.collective_timeout_s),
+                        preemption_grace_s=cfg.preemption_grace_s)  # fmt: skip
 
 
 def run_config(cfg):
@@ -269,7 +272,9 @@ def summarize(run: JobRun, wall_s: float, error: BaseException | None) -> dict:
     summary = {
         "job": cfg.job,
         "profile": cfg.profile,
-        "status": "failed" if error else "succeeded",
+        "status": "failed"
+        if error
+        else ("preempted" if metrics.get("preempted_at_step") else "succeeded"),
         "world_size": metrics.get("world_size", cfg.num_workers),
         "steps": metrics.get("checkpoint_step"),
         "initial_loss": metrics.get("initial_loss"),
@@ -284,7 +289,7 @@ def summarize(run: JobRun, wall_s: float, error: BaseException | None) -> dict:
     for key in ("steps_this_run", "mfu", "step_time_median_s", "data_wait_total_s",
                 "data_wait_fraction", "dtype",
                 "model_state_bytes_per_rank", "peak_rss", "cuda_peak_allocated",
-                "samples_seen"):  # fmt: skip
+                "samples_seen", "preempted_at_step"):  # fmt: skip
         if key in metrics:
             summary[key] = metrics[key]
     summary |= run.extra
@@ -357,6 +362,7 @@ def job_run(cfg, run: JobRun | None = None) -> Iterator[JobRun]:
         with ray_cluster(cfg, token_file=os.path.join(cfg.run_dir, "ray-auth-token")) as info:
             run.cluster = info
             register_process(cfg.run_dir, DRIVER)  # for `make stack`
+            preemption.start_stop_flag(cfg.run_dir, cfg.preemption_grace_s)  # SIGTERM -> stop
             print(start_block(cfg), flush=True)
             yield run
         if run.result is not None and run.result.error is not None:
@@ -374,8 +380,10 @@ def job_run(cfg, run: JobRun | None = None) -> Iterator[JobRun]:
         )
     print(f"SUMMARY {line}", flush=True)
     if error:
-        resume = (
+        hint = (
             f"; last complete checkpoint: {summary['checkpoint']}" if summary["checkpoint"] else ""
         )
-        print(f"error: {summary['error']}{resume}", file=sys.stderr, flush=True)
+        print(f"error: {summary['error']}{hint}", file=sys.stderr, flush=True)
         raise SystemExit(1)
+    if summary["status"] == "preempted":
+        raise SystemExit(preemption.EXIT_PREEMPTED)

@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from shared import checkpoint, resume
+from shared import checkpoint, preemption, resume
 from shared.checkpoint import TrainState
 from shared.metrics import (
     StepMetrics,
@@ -151,6 +151,27 @@ def _after_step(cfg, strategy, session, state: TrainState, tracker: StepMetrics,
         session.report(row)
 
 
+def _stop_for_preemption(cfg, strategy, session, state, tracker, row, resumed_from,
+                         stop: preemption.StopCheck) -> bool:  # fmt: skip
+    """A SIGTERM to any worker or to the driver: this step's checkpoint, then stop (True)."""
+    if state.step == cfg.last_step or not stop.stop():
+        return False
+    metrics = {**row, **run_summary(tracker, strategy, session, state, resumed_from),
+               "preempted_at_step": state.step}  # fmt: skip
+    save_and_report(cfg, strategy, session, state, metrics)
+    return True
+
+
+def _checkpoint_before_node_drain(cfg, strategy, session, state, row, stop) -> None:
+    """A node drain notice from Ray: a just-in-time checkpoint, and keep training (Ray Train
+    restarts the group from it when the node goes)."""
+    periodic = state.step == cfg.last_step or state.step % cfg.checkpoint_every == 0
+    if stop.node_draining(state.step) and not periodic:
+        if session.rank == 0:
+            print(f"node drain (preemption) notice: checkpoint at step {state.step}", flush=True)
+        save_and_report(cfg, strategy, session, state, row)
+
+
 class RankZeroOutputs:
     """What rank 0 writes besides metrics.jsonl: TensorBoard scalars every step, and at the
     end the loss-curve PNG and the data pipeline's stats. Other ranks get a no-op."""
@@ -211,7 +232,10 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
     strategy.model.train()
     micro, loss_sum, data_wait = 0, torch.zeros((), device=session.device), 0.0
     step_start = time.perf_counter()
-    while state.step < cfg.last_step:
+    stop = preemption.StopCheck(cfg.run_dir, session.rank, cfg.log_every,
+                                use_ray=getattr(session, "uses_ray", False))  # fmt: skip
+    preempted = False
+    while state.step < cfg.last_step and not preempted:
         batches = iter(session.epoch_batches(state.epoch, state.samples_in_epoch))
         seen_in_epoch = state.samples_in_epoch
         while state.step < cfg.last_step:
@@ -248,7 +272,12 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
             )
             profiler.step_finished(state.step)
             outputs.step(row)
+            preempted = _stop_for_preemption(cfg, strategy, session, state, tracker, row,
+                                             resumed_from, stop)  # fmt: skip
+            if preempted:
+                break
             _after_step(cfg, strategy, session, state, tracker, row, resumed_from)
+            _checkpoint_before_node_drain(cfg, strategy, session, state, row, stop)
             micro, loss_sum, data_wait = 0, torch.zeros((), device=session.device), 0.0
             step_start = time.perf_counter()
         if seen_in_epoch == 0:
@@ -256,7 +285,7 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
                 f"epoch {state.epoch} gave rank {session.rank} no batches: the dataset has fewer "
                 f"than {cfg.micro_batch_size} sequences of {cfg.seq_len} tokens per worker."
             )
-        if state.step < cfg.last_step:
+        if state.step < cfg.last_step and not preempted:
             state.samples_per_epoch[str(state.epoch)] = state.samples_in_epoch
             state.epoch += 1
             state.samples_in_epoch = 0
@@ -264,11 +293,15 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
     if session.rank == 0:
         if not tracker.history:
             print(f"nothing to train: the run is already at step {state.step}", flush=True)
+        elif preempted:
+            print(f"preempted: stopped at step {state.step} with its checkpoint; run again with "
+                  f"run_name={cfg.run_name} to continue from it", flush=True)  # fmt: skip
         elif cfg.stop_at_step and state.step == cfg.stop_at_step:
             print(f"stopped at step {state.step} of {cfg.max_steps} (stop_at_step); run again "
                   f"with run_name={cfg.run_name} to continue", flush=True)  # fmt: skip
     outputs.finish(tracker)
-    return run_summary(tracker, strategy, session, state, resumed_from)
+    summary = run_summary(tracker, strategy, session, state, resumed_from)
+    return {**summary, "preempted_at_step": state.step} if preempted else summary
 
 
 def run_summary(
