@@ -23,6 +23,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared import elastic
+
 PROFILES = ("smoke", "full")
 # Ray placement-group strategies for the worker bundles (STRICT_* fail instead of degrading).
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -58,6 +60,9 @@ class BaseConfig:
     collective_timeout_s: float = setting(
         1800.0, "A collective (all-reduce, barrier ...) waiting longer fails the run, not hangs."
     )
+    preemption_grace_s: float = setting(
+        30.0, "After a SIGTERM: seconds to reach a step boundary and checkpoint, then exit."
+    )
 
     # set by the launcher, not by users
     job: str = field(default="", metadata={"internal": True})
@@ -81,6 +86,8 @@ class BaseConfig:
         _at_least(self, "keep_checkpoints", 0)
         if self.cpus_per_worker <= 0:
             raise ConfigError(f"cpus_per_worker must be > 0 (got {self.cpus_per_worker}).")
+        if self.preemption_grace_s <= 0:
+            raise ConfigError(f"preemption_grace_s must be > 0 (got {self.preemption_grace_s:g}).")
         if self.collective_timeout_s < 1:
             raise ConfigError(
                 f"collective_timeout_s must be >= 1 (got {self.collective_timeout_s:g})."
@@ -314,6 +321,9 @@ class FaultToleranceConfig(TrainConfig):
     )
     log_samples: bool = setting(False, "Record every consumed sample id (for verification).")
     sleep_per_step: float = setting(0.0, "Seconds to sleep per step (to watch or interrupt a run).")
+    strategy: str = setting(
+        "ddp", "ddp (rank 0 writes model.pt) or fsdp (every rank writes its DCP shards)."
+    )
 
     def validate(self) -> None:
         super().validate()
@@ -341,6 +351,13 @@ class FaultToleranceConfig(TrainConfig):
             )
         if self.sleep_per_step < 0:
             raise ConfigError(f"sleep_per_step must be >= 0 (got {self.sleep_per_step}).")
+        if self.strategy not in ("ddp", "fsdp"):
+            raise ConfigError(f"strategy must be ddp or fsdp (got '{self.strategy}').")
+        if self.min_workers and self.keep_global_batch:
+            problem = elastic.refusal(self.global_batch_size, self.min_workers, self.num_workers,
+                                      self.micro_batch_size)  # fmt: skip
+            if problem:
+                raise ConfigError(problem)
 
 
 def _at_least(cfg: Any, name: str, minimum: int) -> None:

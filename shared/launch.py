@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import os
+import posixpath
 import random
 import sys
 import textwrap
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shared import storage
+from shared import preemption, resume, storage
 from shared.cluster import ClusterInfo, check_local_resources, ray_cluster, train_worker_nodes
 from shared.config import ConfigError, user_fields
 from shared.data import global_order_batches, skip_consumed
@@ -42,7 +43,7 @@ OPTIONAL_SUMMARY_KEYS = (
     "steps_this_run", "attempt_initial_loss", "mfu", "step_time_median_s", "data_wait_total_s",
     "data_wait_fraction", "first_batch_wait_s", "dtype", "model_state_bytes_per_rank",
     "peak_rss", "cuda_peak_allocated", "samples_per_epoch", "diverged_at_step", "divergence",
-    "last_good_checkpoint_step",
+    "last_good_checkpoint_step", "preempted_at_step",
 )  # fmt: skip
 
 
@@ -69,6 +70,8 @@ def quiet_train_worker_logs() -> None:
 class RaySession:
     """What the shared loop needs from Ray Train, inside a training worker."""
 
+    uses_ray = True  # the preemption check may ask Ray Train (shared/preemption.py)
+
     def __init__(self, cfg, dataset_name: str = "train", batch_size: int | None = None):
         import ray.train
         import ray.train.torch
@@ -83,17 +86,28 @@ class RaySession:
         self.batch_size = batch_size or cfg.micro_batch_size  # sequences read per batch
         self.samples_per_micro_batch = self.batch_size * self.world_size
         register_process(cfg.run_dir, f"rank{self.rank}")  # for `make stack`
+        self._resume_plan: resume.ResumePlan | None = None
 
     @contextlib.contextmanager
     def latest_checkpoint(self) -> Iterator[str | None]:
-        import ray.train
-
-        ckpt = ray.train.get_checkpoint()
-        if ckpt is None:
-            yield None
-            return
-        with ckpt.as_directory() as directory:
+        """The newest registered checkpoint that verifies (shared/resume.py), as a local dir."""
+        with resume.open_checkpoint(self.resume_plan().checkpoint) as directory:
             yield directory
+
+    def resume_plan(self) -> resume.ResumePlan:
+        """Decided once per worker-group start, by rank 0, for every rank (a collective)."""
+        if self._resume_plan is None:
+            import ray.train
+
+            latest = ray.train.get_checkpoint()
+            name = posixpath.basename(latest.path.rstrip("/")) if latest is not None else None
+            self._resume_plan = resume.plan_resume(self.cfg.run_dir, name, self.rank)
+        return self._resume_plan
+
+    def use_batch_size(self, batch_size: int) -> None:
+        """Read ``batch_size`` sequences per micro-batch (elastic: chosen per world size)."""
+        self.batch_size = batch_size
+        self.samples_per_micro_batch = batch_size * self.world_size
 
     def shard_batches(self) -> Iterator[torch.Tensor]:
         """One pass over this rank's streaming shard, ``batch_size`` sequences at a time.
@@ -217,9 +231,10 @@ def scaling_config(cfg):
 def torch_config(cfg):
     """The process group Ray Train creates: a collective that waits longer than
     ``collective_timeout_s`` raises (and fails the run) instead of hanging forever."""
-    from ray.train.torch import TorchConfig
-
-    return TorchConfig(timeout_s=int(cfg.collective_timeout_s))
+    # ... and whose workers checkpoint and stop on SIGTERM (shared/preemption.py).
+    config_class = preemption.torch_config_class()
+    return config_class(timeout_s=int(cfg.collective_timeout_s),
+                        preemption_grace_s=cfg.preemption_grace_s)  # fmt: skip
 
 
 def run_config(cfg):
@@ -299,6 +314,8 @@ def summarize(run: JobRun, wall_s: float, error: BaseException | None) -> dict:
         if isinstance(error, TrainingDiverged)
         else "failed"
         if error
+        else "preempted"
+        if metrics.get("preempted_at_step")
         else "succeeded",  # fmt: skip
         "world_size": metrics.get("world_size", cfg.num_workers),
         "steps": metrics.get("diverged_at_step", metrics.get("checkpoint_step")),
@@ -370,10 +387,8 @@ def checkpoint_uri(run_dir: str, path: str) -> str:
 
 
 def latest_complete_checkpoint(run_dir: str) -> str | None:
-    """The newest ``step_*`` checkpoint in the run directory that has its train state."""
-    names = sorted(n for n in storage.listdir(run_dir) if n.startswith("step_"))
-    complete = [n for n in names if storage.exists(storage.join(run_dir, n, "train_state.json"))]
-    return storage.join(run_dir, complete[-1]) if complete else None
+    """The checkpoint a rerun resumes from: registered and its manifests verify."""
+    return resume.last_good_checkpoint(run_dir)
 
 
 def start_block(cfg) -> str:
@@ -417,6 +432,7 @@ def job_run(cfg, run: JobRun | None = None, preflight=()) -> Iterator[JobRun]:
         with ray_cluster(cfg, token_file=token_file) as info:
             run.cluster = info
             register_process(cfg.run_dir, DRIVER)  # for `make stack`
+            preemption.start_stop_flag(cfg.run_dir, cfg.preemption_grace_s)  # SIGTERM -> stop
             print(start_block(cfg), flush=True)
             yield run
         if run.result is not None and run.result.error is not None:
@@ -436,11 +452,13 @@ def job_run(cfg, run: JobRun | None = None, preflight=()) -> Iterator[JobRun]:
     storage.write_text(storage.join(cfg.run_dir, "summary.json"), strict_json(summary, indent=2))
     lease.release()
     if error:
-        resume = (
+        hint = (
             f"; last complete checkpoint: {summary['checkpoint']}" if summary["checkpoint"] else ""
         )
-        print(f"error: {summary['error']}{resume}", file=sys.stderr, flush=True)
+        print(f"error: {summary['error']}{hint}", file=sys.stderr, flush=True)
     sys.stderr.flush()
     print(f"SUMMARY {strict_json(summary)}", flush=True)  # the last line, also after an error
     if error:
         raise SystemExit(1)
+    if summary["status"] == "preempted":
+        raise SystemExit(preemption.EXIT_PREEMPTED)

@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from shared import checkpoint, optim, storage
+from shared import checkpoint, optim, preemption, resume, storage
 from shared.checkpoint import TrainState
 from shared.metrics import (
     StepMetrics,
@@ -111,10 +111,12 @@ def save_and_report(
     def write(directory: str) -> None:
         strategy.save(directory, session.rank)
         checkpoint.save_train_state(directory, state, session.rank)
+        checkpoint.write_manifest(directory, session.rank, session.world_size, state.step)
 
-    root = checkpoint.staging_root(cfg.run_name, session.rank)
-    directory = checkpoint.stage_checkpoint(root, f"step_{state.step:06d}", write)
-    session.report({**metrics, "checkpoint_step": state.step}, checkpoint_dir=directory)
+    plan = resume.plan_for(session)  # staging keyed by run, attempt and rank; never reused
+    root = checkpoint.staging_root(cfg.run_dir, plan.attempt, session.rank)
+    with checkpoint.staged_checkpoint(root, plan.checkpoint_name(state.step), write) as directory:
+        session.report({**metrics, "checkpoint_step": state.step}, checkpoint_dir=directory)
     if session.rank == 0:
         print(f"checkpoint saved at step {state.step}", flush=True)
 
@@ -229,6 +231,26 @@ def stop_diverged(cfg, strategy, session, state: TrainState, tracker: StepMetric
     return summary
 
 
+def _stop_for_preemption(cfg, strategy, session, state, tracker, row, resumed_from,
+                         stop: preemption.StopCheck) -> bool:  # fmt: skip
+    """A SIGTERM to any worker or to the driver: this step's checkpoint, then stop (True)."""
+    if state.step == cfg.last_step or not stop.stop():
+        return False
+    metrics = {**row, **run_summary(tracker, strategy, session, state, resumed_from),
+               "preempted_at_step": state.step}  # fmt: skip
+    save_and_report(cfg, strategy, session, state, metrics)
+    return True
+
+
+def _checkpoint_before_node_drain(cfg, strategy, session, state, row, stop) -> None:
+    """A node drain notice from Ray: a just-in-time checkpoint, and keep training (Ray Train
+    restarts the group from it when the node goes)."""
+    if stop.node_draining(state.step) and not checkpoint_due(cfg, state.step):
+        if session.rank == 0:
+            print(f"node drain (preemption) notice: checkpoint at step {state.step}", flush=True)
+        save_and_report(cfg, strategy, session, state, row)
+
+
 class RankZeroOutputs:
     """What rank 0 writes besides metrics.jsonl: TensorBoard scalars every step, and at the
     end the loss-curve PNG and the data pipeline's stats. Other ranks get a no-op."""
@@ -302,7 +324,10 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
     micro, loss_sum, data_wait = 0, torch.zeros((), device=session.device), 0.0
     last_saved = resumed_from
     step_start = time.perf_counter()
-    while state.step < cfg.last_step:
+    stop = preemption.StopCheck(cfg.run_dir, session.rank, cfg.log_every,
+                                use_ray=getattr(session, "uses_ray", False))  # fmt: skip
+    preempted = False
+    while state.step < cfg.last_step and not preempted:
         batches = iter(session.epoch_batches(state.epoch, state.samples_in_epoch))
         seen_in_epoch = state.samples_in_epoch
         while state.step < cfg.last_step:
@@ -348,9 +373,14 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
                                         resumed_from, last_saved)  # fmt: skip
                 outputs.finish(tracker)
                 return summary
+            preempted = _stop_for_preemption(cfg, strategy, session, state, tracker, row,
+                                             resumed_from, stop)  # fmt: skip
+            if preempted:
+                break
             _after_step(cfg, strategy, session, state, tracker, row, resumed_from)
             if checkpoint_due(cfg, state.step):
                 last_saved = state.step
+            _checkpoint_before_node_drain(cfg, strategy, session, state, row, stop)
             micro, loss_sum, data_wait = 0, torch.zeros((), device=session.device), 0.0
             step_start = time.perf_counter()
         if seen_in_epoch == 0:
@@ -358,7 +388,7 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
                 f"epoch {state.epoch} gave rank {session.rank} no batches: the dataset has fewer "
                 f"than {cfg.micro_batch_size} sequences of {cfg.seq_len} tokens per worker."
             )
-        if state.step < cfg.last_step:
+        if state.step < cfg.last_step and not preempted:
             state.samples_per_epoch[str(state.epoch)] = state.samples_in_epoch
             state.epoch += 1
             state.samples_in_epoch = 0
@@ -367,11 +397,15 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
     if session.rank == 0:
         if not tracker.history:
             print(f"nothing to train: the run is already at step {state.step}", flush=True)
+        elif preempted:
+            print(f"preempted: stopped at step {state.step} with its checkpoint; run again with "
+                  f"run_name={cfg.run_name} to continue from it", flush=True)  # fmt: skip
         elif cfg.stop_at_step and state.step == cfg.stop_at_step:
             print(f"stopped at step {state.step} of {cfg.max_steps} (stop_at_step); run again "
                   f"with run_name={cfg.run_name} to continue", flush=True)  # fmt: skip
     outputs.finish(tracker)
-    return {**run_summary(tracker, strategy, session, state, resumed_from), "status": "succeeded"}
+    summary = {**run_summary(tracker, strategy, session, state, resumed_from), "status": "succeeded"}
+    return {**summary, "preempted_at_step": state.step} if preempted else summary
 
 
 def run_summary(

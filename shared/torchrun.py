@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from shared import resume
 from shared.data import skip_consumed, tokenize_and_pack
 
 
@@ -96,8 +97,16 @@ class TorchrunSession:
 
     @contextlib.contextmanager
     def latest_checkpoint(self) -> Iterator[str | None]:
-        found = self.checkpoints()
-        yield found[-1] if found else None
+        """The newest checkpoint whose manifests verify (shared/resume.py)."""
+        with resume.open_checkpoint(self.resume_plan().checkpoint) as directory:
+            yield directory
+
+    def resume_plan(self) -> resume.ResumePlan:
+        if getattr(self, "_resume_plan", None) is None:
+            found = self.checkpoints()
+            latest = os.path.basename(found[-1]) if found else None
+            self._resume_plan = resume.plan_resume(self.checkpoint_root, latest, self.rank)
+        return self._resume_plan
 
     def _barrier(self) -> None:
         if self.world_size > 1:

@@ -23,7 +23,7 @@ import ray.train
 import ray.train.torch
 from ray.train import DataConfig
 
-from shared import storage
+from shared import elastic, storage
 from shared.checkpoint import TRAIN_STATE_FILE
 from shared.config import FaultToleranceConfig, parse_args
 from shared.faults import FailureInjector, FaultInjectingStrategy
@@ -31,6 +31,7 @@ from shared.launch import GlobalOrderSession, JobRun, seed_everything, train_on_
 from shared.loop import train
 from shared.models import build_gpt2
 from shared.parallel.ddp import DDPStrategy
+from shared.parallel.fsdp import FSDPStrategy, apply_fsdp, data_parallel_mesh
 from shared.precision import resolve_dtype
 from shared.profiles import GPT2_AG_NEWS
 
@@ -62,15 +63,17 @@ def for_this_world(
               f"batch; the global batch is now {now} sequences (consider scaling the learning "
               "rate)", flush=True)  # fmt: skip
         return dataclasses.replace(cfg, num_workers=world_size)
-    per_step = cfg.micro_batch_size * world_size
-    if global_batch % per_step:
-        raise ValueError(f"global batch {global_batch} is not a multiple of "
-                         f"{per_step} = micro_batch_size x {world_size} workers")  # fmt: skip
-    grad_accum = global_batch // per_step
-    if (world_size, grad_accum) != (cfg.num_workers, cfg.grad_accum):
+    shape = elastic.batch_shape(global_batch, world_size, cfg.micro_batch_size)
+    if shape is None:  # only a checkpoint's batch can get here: the config was checked
+        raise ValueError(f"global batch {global_batch} is not a multiple of {world_size} workers")
+    if (world_size, shape.grad_accum) != (cfg.num_workers, cfg.grad_accum):
+        micro = (f" and micro_batch_size={shape.micro_batch_size}"
+                 if shape.micro_batch_size != cfg.micro_batch_size else "")  # fmt: skip
         print(f"world size {world_size} (configured {cfg.num_workers}): keeping the global batch "
-              f"at {global_batch} sequences with grad_accum={grad_accum}", flush=True)  # fmt: skip
-    return dataclasses.replace(cfg, num_workers=world_size, grad_accum=grad_accum)
+              f"at {global_batch} sequences with grad_accum={shape.grad_accum}{micro}",
+              flush=True)  # fmt: skip
+    return dataclasses.replace(cfg, num_workers=world_size, grad_accum=shape.grad_accum,
+                               micro_batch_size=shape.micro_batch_size)  # fmt: skip
 
 
 def saved_global_batch(session) -> int | None:
@@ -90,6 +93,7 @@ def train_loop_per_worker(config: dict) -> None:
         cfg, session.world_size, saved_global_batch(session) or cfg.global_batch_size
     )
     session.cfg = cfg
+    session.use_batch_size(cfg.micro_batch_size)
     injector = FailureInjector(cfg, session.rank)
     if session.rank == 0:
         # One line per worker-group start: small enough to rewrite on object storage.
@@ -105,8 +109,13 @@ def train_loop_per_worker(config: dict) -> None:
     model = build_gpt2(
         cfg.model, config["vocab_size"], cfg.seq_len, cfg.pretrained, config["eos_token_id"]
     )
-    model = ray.train.torch.prepare_model(model)  # the trunk's strategy: DDP
-    strategy = DDPStrategy(model, cfg, session.device, resolve_dtype(cfg.dtype, session.device))
+    dtype = resolve_dtype(cfg.dtype, session.device)
+    if cfg.strategy == "fsdp":  # sharded state: every rank writes DCP shards
+        model = apply_fsdp(model.to(session.device), data_parallel_mesh(session.device))
+        strategy = FSDPStrategy(model, cfg, session.device, dtype)
+    else:
+        model = ray.train.torch.prepare_model(model)
+        strategy = DDPStrategy(model, cfg, session.device, dtype)
     train(cfg, FaultInjectingStrategy(strategy, injector, cfg.sleep_per_step), session)
 
 

@@ -1,0 +1,178 @@
+"""Preemption: a SIGTERM (what Kubernetes and Anyscale send before taking a pod or a node)
+makes the run save a checkpoint at the next step boundary and stop cleanly, so the rerun
+resumes from that step instead of the last periodic checkpoint.
+
+What Ray Train 2.60 offers and what it does not:
+  * a node *drain* (spot reclaim through the autoscaler, ``ray drain-node``) shows up in
+    ``ray.train.get_preemption_info()``; the loop saves a just-in-time checkpoint when it does
+    and keeps training, and Ray Train restarts the group under
+    ``FailureConfig(max_preemption_failures)`` once the node is gone (``PreemptionError``);
+  * a SIGTERM to a worker process or to the driver is not a drain: Ray's own handler exits the
+    process at once. So a worker gets our handler on its main thread (the backend runs it
+    there at worker-group start, where ``signal.signal`` is allowed), and the driver forwards
+    its SIGTERM to the workers through a small named actor.
+
+Every rank must stop at the same step: each step boundary all-reduces one flag.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+import torch
+import torch.distributed as dist
+
+EXIT_PREEMPTED = 143  # 128 + SIGTERM: the platform's retry (max_retries, backoffLimit) reruns it
+_stop = threading.Event()  # set by this process's SIGTERM handler
+
+
+def stop_requested_locally() -> bool:
+    return _stop.is_set()
+
+
+def _exit_after(grace_s: float, what: str) -> None:
+    """The grace period: if the step boundary is not reached in time, exit anyway."""
+
+    def expire():
+        print(f"{what}: no step boundary within preemption_grace_s={grace_s:g}; exiting",
+              file=sys.stderr, flush=True)  # fmt: skip
+        os._exit(EXIT_PREEMPTED)
+
+    timer = threading.Timer(grace_s, expire)
+    timer.daemon = True
+    timer.start()
+
+
+def install_worker_handler(grace_s: float) -> None:
+    """SIGTERM -> checkpoint at the next step boundary (a second SIGTERM exits at once).
+    Must run on the process's main thread."""
+
+    def on_sigterm(signum, frame):
+        if _stop.is_set():
+            os._exit(EXIT_PREEMPTED)
+        _stop.set()
+        print(f"SIGTERM received (pid {os.getpid()}): checkpoint at the next step boundary, "
+              "then stop", file=sys.stderr, flush=True)  # fmt: skip
+        _exit_after(grace_s, "SIGTERM")
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+# --- driver side ---------------------------------------------------------------------------
+
+
+def stop_flag_name(run_dir: str) -> str:
+    from shared.checkpoint import run_key
+
+    return f"stop-{run_key(run_dir)}"
+
+
+def start_stop_flag(run_dir: str, grace_s: float):
+    """A named actor the workers poll, and a driver SIGTERM handler that sets it."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class StopFlag:
+        def __init__(self):
+            self.stop = False
+
+        def set(self) -> None:
+            self.stop = True
+
+        def get(self) -> bool:
+            return self.stop
+
+    flag = StopFlag.options(name=stop_flag_name(run_dir)).remote()
+    ray.get(flag.get.remote())
+
+    def on_sigterm(signum, frame):
+        if _stop.is_set():
+            os._exit(EXIT_PREEMPTED)
+        _stop.set()
+        print("SIGTERM received by the driver: the workers checkpoint at the next step "
+              "boundary, then stop", file=sys.stderr, flush=True)  # fmt: skip
+        flag.set.remote()
+        _exit_after(grace_s + 30, "SIGTERM (driver)")  # the workers' grace, plus shutdown
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    return flag
+
+
+class StopCheck:
+    """Asked at every step boundary, on every rank: should the run stop now?
+
+    True when any rank received SIGTERM, the driver did (its flag actor, polled without
+    blocking by rank 0), or Ray Train reports a node drain (asked every ``drain_every`` steps:
+    ``get_preemption_info`` is a barrier of its own)."""
+
+    def __init__(self, run_dir: str, rank: int, drain_every: int, use_ray: bool = True):
+        self.rank = rank
+        self.drain_every = drain_every
+        self.use_ray = use_ray
+        self.drained = False  # a just-in-time checkpoint was already saved for the drain
+        self._flag, self._pending = None, None
+        if use_ray and rank == 0:
+            import ray
+
+            try:
+                self._flag = ray.get_actor(stop_flag_name(run_dir))
+            except ValueError:
+                self._flag = None  # a driver without the flag (e.g. an older launcher)
+
+    def _driver_asked(self) -> bool:
+        if self._flag is None:
+            return False
+        import ray
+
+        if self._pending is None:
+            self._pending = self._flag.get.remote()
+        ready, _ = ray.wait([self._pending], timeout=0)
+        if not ready:
+            return False
+        self._pending = None
+        return bool(ray.get(ready[0]))
+
+    def stop(self) -> bool:
+        local = stop_requested_locally() or (self.rank == 0 and self._driver_asked())
+        flag = torch.tensor([1 if local else 0], dtype=torch.int32)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def node_draining(self, step: int) -> bool:
+        """A Ray Core node drain seen for the first time (checked every drain_every steps)."""
+        if not self.use_ray or self.drained or step % self.drain_every:
+            return False
+        import ray.train
+
+        if ray.train.get_preemption_info() is None:
+            return False
+        self.drained = True
+        return True
+
+
+def torch_config_class():
+    """``TorchConfig`` whose backend also installs the worker SIGTERM handler: the backend's
+    hook runs as an actor task, on the worker's main thread, at every worker-group start."""
+    from dataclasses import dataclass
+
+    from ray.train.torch import TorchConfig
+    from ray.train.torch.config import _TorchBackend
+
+    class _PreemptibleBackend(_TorchBackend):
+        def on_training_start(self, worker_group, backend_config) -> None:
+            super().on_training_start(worker_group, backend_config)
+            worker_group.execute(install_worker_handler, backend_config.preemption_grace_s)
+
+    @dataclass
+    class PreemptibleTorchConfig(TorchConfig):
+        preemption_grace_s: float = 30.0
+
+        @property
+        def backend_cls(self):
+            return _PreemptibleBackend
+
+    return PreemptibleTorchConfig
