@@ -29,8 +29,7 @@ from shared.cluster import ClusterInfo, check_local_resources, ray_cluster, trai
 from shared.config import ConfigError, user_fields
 from shared.data import global_order_batches, skip_consumed
 from shared.lease import run_lease
-from shared.loop import DIVERGENCE_FILE
-from shared.metrics import strict_json
+from shared.metrics import DIVERGENCE_FILE, strict_json
 from shared.run_settings import check_resume
 from shared.stack import DRIVER, register_process
 

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from shared import checkpoint, optim, preemption, resume, storage
 from shared.checkpoint import TrainState
 from shared.metrics import (
+    DIVERGENCE_FILE,
     StepMetrics,
     device_peak_tflops,
     peak_memory_bytes,
@@ -42,10 +43,6 @@ from shared.tensorboard_log import TensorBoardLog, tensorboard_dir
 
 LOSS_CURVE_FILE = "loss_curve.png"
 DATA_STATS_FILE = "data_stats.txt"
-# Written by rank 0 when a run stops on a non-finite loss, gradient norm or weights; the driver
-# reads it for SUMMARY (Ray Train keeps only metrics reported with a checkpoint, and a
-# diverged step has none).
-DIVERGENCE_FILE = "divergence.json"
 
 
 class Session(Protocol):

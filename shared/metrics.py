@@ -86,6 +86,12 @@ def finite_or_null(value, path: str = "", flagged: list[str] | None = None):
     return value
 
 
+# Written by rank 0 when a run stops on a non-finite loss, gradient norm or weights; the driver
+# reads it for SUMMARY (Ray Train keeps only metrics reported with a checkpoint, and a
+# diverged step has none).
+DIVERGENCE_FILE = "divergence.json"
+
+
 def strict_json(record: dict, **dump_kwargs) -> str:
     """JSON that every parser accepts: non-finite numbers become null and are listed under
     ``nonfinite``."""
