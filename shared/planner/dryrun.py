@@ -235,7 +235,9 @@ def traced_activations(job: str, cfg, vocab: int, dtype: torch.dtype, tp_mesh) -
             loss = (out.to_local() if hasattr(out, "to_local") else out).float().sum()
         kept = sum(tracker.alive_bytes(exclude).values())
         del loss, out
-        return kept + (local_bytes([x]) if recompute else 0)  # the checkpoint keeps its input
+        # The output is alive (it is the next block's input, which the next block's checkpoint
+        # keeps under recomputation); the input is the previous block's output.
+        return kept
 
     # Linear in the micro-batch (a TP group's ranks all see its whole micro-batch).
     one, two = run(1, False), run(2, False)
