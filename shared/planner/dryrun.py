@@ -33,6 +33,7 @@ import argparse
 import contextlib
 import dataclasses
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -221,29 +222,44 @@ def traced_activations(job: str, cfg, vocab: int, dtype: torch.dtype, tp_mesh) -
     block.train()
 
     def run(batch: int, recompute: bool) -> int:
+        """The block twice in a row, as consecutive layers: the second call's kept storages
+        plus the first call's output if the second keeps it (fp32: its norm saves its input;
+        bf16 Llama: it saves an fp32 copy instead and the 16-bit output is freed)."""
         # Under TP the blocks see the local, sequence-sharded activations (the embedding's
         # RowwiseParallel hands out local tensors of s / tp tokens).
         seq = cfg.seq_len // (cfg.tp if tp_mesh is not None else 1)
         x = torch.randn(batch, seq, hidden, dtype=dtype, requires_grad=True)
-        exclude = {_local(t).untyped_storage()._cdata for t in [*block.parameters(), x]}
+        exclude = {_local(t).untyped_storage()._cdata for t in block.parameters()}
         tracker = LiveStorageTracker()
-        with tracker:
+
+        def layer(inp):
             if recompute:
-                out = torch.utils.checkpoint.checkpoint(_call(block), x, use_reentrant=False)
-            else:
-                out = _call(block)(x)
-            loss = (out.to_local() if hasattr(out, "to_local") else out).float().sum()
-        kept = sum(tracker.alive_bytes(exclude).values())
-        del loss, out
-        # The output is alive (it is the next block's input, which the next block's checkpoint
-        # keeps under recomputation); the input is the previous block's output.
+                return torch.utils.checkpoint.checkpoint(_call(block), inp, use_reentrant=False)
+            return _call(block)(inp)
+
+        with tracker:
+            tracker.owner = "first"
+            y = layer(x)
+            tracker.owner = "second"
+            z = layer(y)
+            loss = z.float().sum()
+        y_key = y.untyped_storage()._cdata
+        del y, z
+        alive = tracker.alive_bytes(exclude)
+        first_output = tracker.storages[y_key]
+        kept = alive.get("second", 0)
+        if not first_output[1].expired():
+            kept += first_output[2]
+        del loss
         return kept
 
     # Linear in the micro-batch (a TP group's ranks all see its whole micro-batch).
     one, two = run(1, False), run(2, False)
     per_layer = one + (two - one) * (cfg.micro_batch_size - 1)
     if cfg_recompute(cfg):  # each block keeps its input; the one being recomputed, everything
-        return {"layers": layers * run(1, True) * cfg.micro_batch_size + per_layer}
+        kept_one, kept_two = run(1, True), run(2, True)
+        kept = kept_one + (kept_two - kept_one) * (cfg.micro_batch_size - 1)
+        return {"layers": layers * kept + per_layer}
     return {"layers": layers * per_layer}
 
 
@@ -270,13 +286,14 @@ def cfg_recompute(cfg) -> bool:
 
 
 def deepspeed_estimate(cfg, n_params: int, largest_layer: int, compute: ComputeConfig) -> str:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no GPU here; says so once, quietly
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
     per_node = min(compute.gpus_per_node, cfg.num_workers)
     nodes = max(1, cfg.num_workers // per_node)
     if cfg.zero_stage == 3:
-        _, gpu = estimate_zero3_model_states_mem_needs(
+        _, gpu, _largest_layer_memory = estimate_zero3_model_states_mem_needs(
             n_params, largest_layer, per_node, nodes, cpu_offload=cfg.offload_optimizer,
             cpu_offload_params=cfg.offload_params,
         )  # fmt: skip
@@ -369,9 +386,10 @@ def dry_run(job: str, profile: str, overrides: list[str], out=print) -> int:
         out(f"  {r[0].ljust(widths[0])}  {r[1].rjust(widths[1])}  {r[2].rjust(widths[2])}")
     if note:
         out(note)
-    out("traced: parameters from each rank's shards, gradients and AdamW state from one step "
-        "on meta tensors, activations from one real block (x layers) + the planner's output "
-        "layer and dropout masks; buffers are the planner's.")  # fmt: skip
+    else:
+        out("traced: parameters from each rank's shards, gradients and AdamW state from one step "
+            "on meta tensors, activations from one real block (x layers) + the planner's output "
+            "layer and dropout masks; buffers are the planner's.")  # fmt: skip
     budget = settings.budget
     if total_traced > budget:
         print(
