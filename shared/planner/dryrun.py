@@ -10,8 +10,9 @@ size. It runs the job's own code path where that is possible without memory:
 * the job's config (profile + overrides, validated as the job validates them: a TP size that
   does not divide the heads fails here, with the job's own sentence);
 * the job's model builder on the ``meta`` device, then the job's wrapping (``apply_tp`` on the
-  (dp, tp) mesh, ``apply_fsdp`` per block and root; DDP replicates, so its rank holds the whole
-  model); the parameter bytes are read from each rank's local shards;
+  (dp, tp) mesh, ``apply_fsdp`` per block and root); DDP is not constructed (its constructor
+  reads parameter values, which meta tensors refuse: ``Tensor.item()``) and every DDP rank
+  holds the whole model; the parameter bytes are read from each rank's local shards;
 * the job's optimizer (``shared.optim.build_adamw``) takes one step on meta gradients of the
   same layout, so the optimizer state is what AdamW really allocates;
 * activations: one real transformer block (TP-sharded for tp2d) runs forward on the CPU at the
