@@ -51,7 +51,7 @@ endif
 
 .PHONY: help setup run-local test test-unit lint clean stack tensorboard \
 	run-cluster submit compute-configs containerfiles render-kuberay run-kuberay kuberay-crds \
-	kind-up kind-image kind-down template validate plan bench anyscale-cli s3-up s3-down
+	kind-up kind-image kind-down template validate plan bench dry-run anyscale-cli s3-up s3-down
 
 help: ## Show the targets
 	@echo "usage: make <target> [JOB=<job>] [PROFILE=smoke|full] [ARGS=\"key=value ...\"]"
@@ -131,6 +131,10 @@ template: setup ## Standalone starter project for JOB: make template JOB=fsdp DE
 
 plan: setup ## Memory per GPU of each strategy + a recommendation: make plan ARGS="--preset gpt2-xl --gpus 8 --gpu-mem 16GiB"
 	$(PY) -m shared.planner $(ARGS)
+
+# PROFILE defaults to full here (smoke elsewhere): a dry run is for the sizes never run locally.
+dry-run: setup ## JOB at its real world size on one CPU (fake process group): make dry-run JOB=tp2d [PROFILE=full] [ARGS="tp=8"]
+	$(PY) -m shared.planner.dryrun --job $(JOB) --profile $(if $(filter command line environment,$(origin PROFILE)),$(PROFILE),full) $(ARGS)
 
 bench: setup ## DDP/FSDP2/ZeRO-1/2/3/TPxDP on the local cluster -> docs/benchmarks.md + .png (~10 min)
 	$(NET) $(PY) benchmarks/bench.py $(ARGS)

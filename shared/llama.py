@@ -38,6 +38,11 @@ LLAMA_PRESETS: dict[str, LlamaPreset] = {
     ),
     # ~500M with the GPT-2 tokenizer's 50k vocabulary (untied embedding + output: 154M).
     "llama-500m": LlamaPreset(dim=1536, n_layers=14, n_heads=12, n_kv_heads=4, ffn_dim=4096),
+    # Llama 2 7B's shape (Touvron et al. 2023), for planning and dry runs at real scale
+    # (make dry-run JOB=tp2d PROFILE=full ARGS="model=llama-7b dp=8 tp=8 num_workers=64").
+    "llama-7b": LlamaPreset(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008, max_seq_len=4096
+    ),
 }
 
 

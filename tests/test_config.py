@@ -212,7 +212,10 @@ def test_fsdp_settings():
         ),
         ({"micro_batch_size": 3}, "tp (2) must divide micro_batch_size (3)"),
         ({"seq_len": 63}, "tp (2) must divide seq_len (63)"),
-        ({"model": "gpt2"}, "unknown model 'gpt2'; valid presets: llama-500m, llama-tiny."),
+        (
+            {"model": "gpt2"},
+            "unknown model 'gpt2'; valid presets: llama-500m, llama-7b, llama-tiny.",
+        ),
     ],
 )
 def test_tp2d_mesh_validation(overrides, message):

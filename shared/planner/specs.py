@@ -154,7 +154,7 @@ def preset_names() -> list[str]:
     from shared.llama import LLAMA_PRESETS
     from shared.models import PRESETS
 
-    return sorted([*PRESETS, *LLAMA_PRESETS, *LLAMA2_SHAPES])
+    return sorted({*PRESETS, *LLAMA_PRESETS, *LLAMA2_SHAPES})
 
 
 def from_preset(name: str, vocab: int = 0, seq_len: int = 0) -> ModelSpec:
@@ -183,7 +183,7 @@ def from_preset(name: str, vocab: int = 0, seq_len: int = 0) -> ModelSpec:
             layout="gpt2",
         )
     if name in LLAMA_PRESETS or name in LLAMA2_SHAPES:
-        if name in LLAMA_PRESETS:
+        if name not in LLAMA2_SHAPES:  # Llama 2 shapes keep Llama 2's vocabulary and context
             p = LLAMA_PRESETS[name]
             dims = dict(dim=p.dim, n_layers=p.n_layers, n_heads=p.n_heads,
                         n_kv_heads=p.n_kv_heads, ffn_dim=p.ffn_dim)  # fmt: skip

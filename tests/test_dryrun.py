@@ -1,0 +1,80 @@
+"""make dry-run: every job's full profile at its job.yaml world size on one CPU (fake process
+group, meta parameters, one real block), with the planner's and the traced bytes side by side.
+No cluster, no GPU; each run takes seconds (tens on a loaded 2-core machine)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from shared.planner import dryrun
+
+
+def run(capsys, job: str, *overrides: str, profile: str = "full") -> tuple[int, str, str]:
+    try:
+        code = dryrun.main(["--job", job, "--profile", profile, *overrides])
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def table(out: str) -> dict[str, tuple[str, str]]:
+    rows = {}
+    for line in out.splitlines():
+        match = re.fullmatch(r"  (\w+)\s+(\S+ \w+|\(planner\))\s+(\S+ \w+|\(planner\))", line)
+        if match:
+            rows[match.group(1)] = (match.group(2), match.group(3))
+    return rows
+
+
+def to_bytes(cell: str) -> float:
+    value, unit = cell.split()
+    return float(value) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+
+
+@pytest.mark.parametrize("job, world", [("ddp", 4), ("fault_tolerance", 4), ("fsdp", 4),
+                                        ("zero", 4), ("tp2d", 8)])  # fmt: skip
+def test_every_full_profile_dry_runs_at_its_job_yaml_world_size(capsys, job, world):
+    compute = dryrun.compute_config(job)
+    assert compute.gpus == world  # the job.yaml's GPUs are the profile's workers
+    code, out, err = run(capsys, job)
+    assert code == 0, err
+    assert f"world: {world} ranks" in out and "fits: " in out
+    rows = table(out)
+    assert set(rows) == {"params", "grads", "optimizer", "activations", "buffers", "total"}
+    if job == "zero":
+        assert "not traced" in out and "estimate_zero3_model_states_mem_needs" in out
+        return
+    # Model states: the planner's layout equals the shards and the optimizer step exactly.
+    for name in ("params", "grads", "optimizer"):
+        assert rows[name][0] == rows[name][1], name
+    planned, traced = (to_bytes(c) for c in rows["activations"])
+    assert traced == pytest.approx(planned, rel=0.05)
+
+
+def test_fsdp_shards_are_a_quarter_of_ddps(capsys):
+    _, ddp, _ = run(capsys, "ddp")
+    _, fsdp, _ = run(capsys, "fsdp")
+    ddp_params = to_bytes(table(ddp)["params"][1])
+    fsdp_params = to_bytes(table(fsdp)["params"][1])
+    assert fsdp_params == pytest.approx(ddp_params / 4, rel=0.01)  # padding: rank 0 a bit more
+
+
+def test_a_tp_size_that_does_not_divide_the_heads_is_one_sentence_and_exit_2(capsys):
+    code, out, err = run(capsys, "tp2d", "tp=8", "dp=1", "num_workers=8")
+    assert code == 2 and out == ""
+    assert err == "error: tp (8) must divide the attention heads of llama-500m (12).\n"
+
+
+def test_a_model_that_cannot_fit_the_gpu_exits_1_saying_so(capsys):
+    code, out, err = run(capsys, "fsdp", "model=gpt2-xl")
+    assert code == 1
+    assert err.startswith("error: gpt2-xl with dp=4 does not fit the T4: ")
+    assert err.count("\n") == 1
+
+
+def test_a_job_without_a_model_is_refused(capsys):
+    code, _, err = run(capsys, "env_check")
+    assert code == 2 and err.startswith("error: job 'env_check' cannot be dry-run")
