@@ -22,7 +22,7 @@ from ci.jobspec import REPO, JobSpecError, load
 
 CREDENTIALS_FILE = Path.home() / ".anyscale" / "credentials.json"
 LOGIN_HINT = (
-    "no Anyscale credentials: run `.venv/bin/anyscale login` or export ANYSCALE_CLI_TOKEN "
+    "no Anyscale credentials: run `build/anyscale-cli/bin/anyscale login` or export ANYSCALE_CLI_TOKEN "
     "(an API key from the Anyscale console)."
 )
 
