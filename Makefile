@@ -92,7 +92,8 @@ anyscale-cli: $(SUBMIT_VENV)/.installed ## The small venv `make submit` uses (an
 
 $(SUBMIT_VENV)/.installed: constraints.txt
 	$(or $(PYTHON),python3) -m venv $(SUBMIT_VENV)
-	$(SUBMIT_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt $(ANYSCALE_PIN)
+	$(SUBMIT_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt \
+	  $(ANYSCALE_PIN) 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 	@touch $@
 
 submit: anyscale-cli ## JOB on Anyscale: anyscale job submit -f jobs/JOB/job.yaml [WAIT=1 adds --wait]

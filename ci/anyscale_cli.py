@@ -22,7 +22,7 @@ from ci.jobspec import REPO, JobSpecError, load
 
 CREDENTIALS_FILE = Path.home() / ".anyscale" / "credentials.json"
 LOGIN_HINT = (
-    "no Anyscale credentials: run `.venv/bin/anyscale login` or export ANYSCALE_CLI_TOKEN "
+    "no Anyscale credentials: run `build/anyscale-cli/bin/anyscale login` or export ANYSCALE_CLI_TOKEN "
     "(an API key from the Anyscale console)."
 )
 
@@ -70,8 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     submit_parser = sub.add_parser("submit")
     submit_parser.add_argument("--job", required=True)
     submit_parser.add_argument("--wait", action="store_true")
-    submit_parser.add_argument("--max-wait-s", type=float, default=0,
-                               help="refuse --wait when job.yaml's timeout_s is longer")  # fmt: skip
+    submit_parser.add_argument(
+        "--max-wait-s",
+        type=float,
+        default=0,
+        help="refuse --wait when job.yaml's timeout_s exceeds this",
+    )
     sub.add_parser("compute-configs")
     args = parser.parse_args(argv)
     if not has_credentials():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -109,11 +110,14 @@ class JobSpec:
     def settings(self, profile: str | None = None, overrides: list[str] = ()) -> dict:
         """The job's resolved settings for this entrypoint, as its own parser sees them."""
         argv = self.entrypoint(profile, overrides)
+        # This checkout's `shared` first, not whichever one the venv's editable install names.
+        path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         proc = subprocess.run(
             [sys.executable, *argv[1:], "--print-config"],
             cwd=REPO,
             capture_output=True,
             text=True,
+            env={**os.environ, "PYTHONPATH": path},
         )
         if proc.returncode != 0:
             last_line = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]

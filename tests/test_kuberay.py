@@ -125,6 +125,10 @@ def test_gpu_render_has_shm_a_pvc_and_no_hostpath(tp2d_gpu, schema):
     }
     head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
     assert {v["name"] for v in head["volumes"]} == {"code", "runs"}
+    # The tests run with RAY_USAGE_STATS_ENABLED=0 (conftest): the pods get the same opt-out.
+    usage_off = {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"}
+    assert usage_off in head["containers"][0]["env"]
+    assert usage_off in pod["containers"][0]["env"]
     argv = shlex.split(rayjob["spec"]["entrypoint"])
     assert f"storage_path={kuberay.RUNS_DIR}" in argv and "--profile" in argv
 
