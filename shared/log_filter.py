@@ -57,6 +57,11 @@ BENIGN = (
         "CPUs per training worker and Ray Data tasks on a small machine.",
     ),
     Benign(
+        r"^ERROR: External init callback must run in same thread as registerClient",
+        "Kineto (torch.profiler) on CPU, with profile_steps=a-b: Ray Train runs the training "
+        "function in a thread, not the one that registered the profiler; the trace is complete.",
+    ),
+    Benign(
         r"^generated new fontManager$",
         "matplotlib builds its font cache on first use (drawing loss_curve.png).",
     ),

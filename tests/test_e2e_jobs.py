@@ -67,7 +67,10 @@ def test_ddp_resume_starts_at_the_saved_step(ddp_runs):
     s = second.summary
     assert s["resumed_from_step"] == 20 and s["steps"] == 30 and s["steps_this_run"] == 10
     assert "resumed from checkpoint at step 20" in second.stdout
-    assert "resuming ddp/resume with changed settings: max_steps 20 -> 30\n" in second.stdout
+    assert (
+        "resuming ddp/resume with changed settings: max_steps 20 -> 30, profile_steps '3-5' -> ''\n"
+        in second.stdout
+    )
     # Restored weights, not a fresh init: the first resumed step is already near where the
     # first run ended, far below the random-init loss. initial_loss stays the run's first.
     assert s["attempt_initial_loss"] < first.summary["final_loss"] + 0.3
