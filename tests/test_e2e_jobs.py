@@ -192,3 +192,15 @@ def test_make_rejects_an_unknown_job_with_one_line():
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "unknown JOB 'nope'; valid jobs: " in lines[0] and "ddp" in lines[0]
+
+
+def test_a_dataset_that_is_not_parquet_fails_before_ray_starts(tmp_path):
+    text = tmp_path / "a.txt"
+    text.write_text("hello world\n")
+    result = run_job("ddp", f"dataset={text}", storage=tmp_path, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr == (
+        f"error: dataset '{text}' is not a .parquet file; the jobs read parquet only: convert it "
+        "(e.g. pandas.read_csv(...).to_parquet(...)) or point dataset= at a parquet file.\n"
+    )
+    assert "Ray dashboard" not in result.stdout and "SUMMARY" not in result.stdout
