@@ -126,7 +126,7 @@ class FilteredStream:
         self.filter = output_filter
         self.pointer = pointer
         self.pending = ""
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # re-entrant: a signal handler may print mid-write
         self.pointed: set[str] = set()  # sources whose hidden text was already pointed at
 
     def write(self, text: str) -> int:
