@@ -57,6 +57,11 @@ BENIGN = (
         "CPUs per training worker and Ray Data tasks on a small machine.",
     ),
     Benign(
+        r"^ERROR: External init callback must run in same thread as registerClient",
+        "Kineto (torch.profiler) on CPU, with profile_steps=a-b: Ray Train runs the training "
+        "function in a thread, not the one that registered the profiler; the trace is complete.",
+    ),
+    Benign(
         r"^generated new fontManager$",
         "matplotlib builds its font cache on first use (drawing loss_curve.png).",
     ),
@@ -121,7 +126,7 @@ class FilteredStream:
         self.filter = output_filter
         self.pointer = pointer
         self.pending = ""
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # re-entrant: a signal handler may print mid-write
         self.pointed: set[str] = set()  # sources whose hidden text was already pointed at
 
     def write(self, text: str) -> int:

@@ -67,6 +67,11 @@ def settings_record(cfg) -> dict:
     }
 
 
+def _shown(value: Any) -> str:
+    """Strings quoted, so that an emptied setting reads ``profile_steps '3-5' -> ''``."""
+    return repr(value) if isinstance(value, str) else str(value)
+
+
 def has_checkpoints(run_dir: str) -> bool:
     """Ray Train names checkpoint folders after ``checkpoint_dir_name`` (``step_NNNNNN``)."""
     return any(n.startswith(("step_", "checkpoint_")) for n in storage.listdir(run_dir))
@@ -93,6 +98,6 @@ def check_resume(cfg) -> list[str]:
             if name in IDENTITY or name in terms or name not in old_settings:
                 continue
             if old_settings[name] != new:
-                changes.append(f"{name} {old_settings[name]} -> {new}")
+                changes.append(f"{name} {_shown(old_settings[name])} -> {_shown(new)}")
     storage.write_text(path, json.dumps(settings_record(cfg), indent=2, default=str))
     return changes

@@ -16,7 +16,7 @@ PREFIX = re.compile(r"^\([^)]*\) ")
 
 
 def test_the_fault_tolerance_readme_shows_what_the_default_run_prints(tmp_path):
-    result = run_job("fault_tolerance", storage=tmp_path)
+    result = run_job("fault_tolerance", storage=tmp_path, timeout=1200)
     assert result.returncode == 0, result.output[-3000:]
     assert result.summary["failures_recovered"] == 1
     printed = [PREFIX.sub("", ANSI.sub("", line)) for line in result.output.splitlines()]
@@ -30,5 +30,5 @@ def test_the_fault_tolerance_readme_shows_what_the_default_run_prints(tmp_path):
         position = hits[0] + 1
     # One short block: no traceback on screen, and the whole run stays short.
     assert not [line for line in printed if "Traceback" in line or "ActorDiedError" in line]
-    assert len(printed) < 70, "\n".join(printed)
+    assert len(printed) < 100, "\n".join(printed)  # ~230 before the output filter
     assert printed[-1].startswith("SUMMARY {")

@@ -67,7 +67,10 @@ def test_ddp_resume_starts_at_the_saved_step(ddp_runs):
     s = second.summary
     assert s["resumed_from_step"] == 20 and s["steps"] == 30 and s["steps_this_run"] == 10
     assert "resumed from checkpoint at step 20" in second.stdout
-    assert "resuming ddp/resume with changed settings: max_steps 20 -> 30\n" in second.stdout
+    assert (
+        "resuming ddp/resume with changed settings: max_steps 20 -> 30, profile_steps '3-5' -> ''\n"
+        in second.stdout
+    )
     # Restored weights, not a fresh init: the first resumed step is already near where the
     # first run ended, far below the random-init loss. initial_loss stays the run's first.
     assert s["attempt_initial_loss"] < first.summary["final_loss"] + 0.3
@@ -189,3 +192,15 @@ def test_make_rejects_an_unknown_job_with_one_line():
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "unknown JOB 'nope'; valid jobs: " in lines[0] and "ddp" in lines[0]
+
+
+def test_a_dataset_that_is_not_parquet_fails_before_ray_starts(tmp_path):
+    text = tmp_path / "a.txt"
+    text.write_text("hello world\n")
+    result = run_job("ddp", f"dataset={text}", storage=tmp_path, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr == (
+        f"error: dataset '{text}' is not a .parquet file; the jobs read parquet only: convert it "
+        "(e.g. pandas.read_csv(...).to_parquet(...)) or point dataset= at a parquet file.\n"
+    )
+    assert "Ray dashboard" not in result.stdout and "SUMMARY" not in result.stdout
