@@ -182,7 +182,7 @@ class Driver:
         for line in self.proc.stdout:
             self.lines.append(line)
 
-    def wait_for(self, text: str, limit_s: float = 400) -> None:
+    def wait_for(self, text: str, limit_s: float = 1200) -> None:
         deadline = time.monotonic() + limit_s  # a guard against a hang, not an assertion
         while not any(text in line for line in self.lines):
             assert self.proc.poll() is None or self._reader.is_alive(), "".join(self.lines)
