@@ -182,7 +182,7 @@ class Driver:
         for line in self.proc.stdout:
             self.lines.append(line)
 
-    def wait_for(self, text: str, limit_s: float = 400) -> None:
+    def wait_for(self, text: str, limit_s: float = 1200) -> None:
         deadline = time.monotonic() + limit_s  # a guard against a hang, not an assertion
         while not any(text in line for line in self.lines):
             assert self.proc.poll() is None or self._reader.is_alive(), "".join(self.lines)
@@ -195,9 +195,10 @@ def test_one_driver_per_run_on_s3(bucket):
     rerun takes the lease over and resumes from the bucket."""
     args = (f"storage_path={bucket}", "run_name=lease", "max_steps=40", "checkpoint_every=4",
             "fail_at_step=0")  # fmt: skip
-    first = Driver(*args, "sleep_per_step=0.5")
+    # Slow steps keep the first driver alive (~70 s to go) while the second one starts.
+    first = Driver(*args, "sleep_per_step=2")
     try:
-        first.wait_for("checkpoint saved at step 8")
+        first.wait_for("checkpoint saved at step 4")
         lease = json.loads(storage.read_text(f"{bucket}/fault_tolerance/lease/driver.lease"))
         assert lease["pid"] == first.proc.pid
         second = run_job("fault_tolerance", *args[1:], storage=bucket, timeout=120)
