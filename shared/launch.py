@@ -205,12 +205,14 @@ def scaling_config(cfg):
     from ray.train import ScalingConfig
 
     elastic = getattr(cfg, "min_workers", 0)
+    resize = {"elastic_resize_monitor_interval_s": cfg.elastic_resize_interval_s} if elastic else {}
     return ScalingConfig(
         # (min, max): Ray Train V2 starts with as many as fit and may restart with fewer.
         num_workers=(elastic, cfg.num_workers) if elastic else cfg.num_workers,
         use_gpu=cfg.use_gpu,
-        resources_per_worker={"CPU": cfg.cpus_per_worker},
+        resources_per_worker={"CPU": cfg.cpus_per_worker, **cfg.worker_resources_dict()},
         placement_strategy=cfg.placement_strategy,
+        **resize,
     )
 
 
