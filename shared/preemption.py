@@ -108,8 +108,10 @@ class StopCheck:
     blocking by rank 0), or Ray Train reports a node drain (asked every ``drain_every`` steps:
     ``get_preemption_info`` is a barrier of its own)."""
 
-    def __init__(self, run_dir: str, rank: int, drain_every: int, use_ray: bool = True):
+    def __init__(self, run_dir: str, rank: int, drain_every: int, use_ray: bool = True,
+                 device: torch.device | None = None):  # fmt: skip
         self.rank = rank
+        self.device = device or torch.device("cpu")  # NCCL all-reduces device tensors only
         self.drain_every = drain_every
         self.use_ray = use_ray
         self.drained = False  # a just-in-time checkpoint was already saved for the drain
@@ -137,7 +139,7 @@ class StopCheck:
 
     def stop(self) -> bool:
         local = stop_requested_locally() or (self.rank == 0 and self._driver_asked())
-        flag = torch.tensor([1 if local else 0], dtype=torch.int32)
+        flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
