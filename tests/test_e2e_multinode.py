@@ -46,13 +46,35 @@ class ThreeNodeCluster(LocalCluster):
         self._wait_for_nodes(1)
         self.add_node("worker1")
         self.add_node("worker2")
-        self._wait_for_nodes(3)
 
-    def add_node(self, name: str) -> None:
-        self._ray_start(name, "--address", f"127.0.0.1:{self.gcs_port}", "--num-cpus", "2",
-                        "--resources", json.dumps({SLOTS: 2}),
-                        "--dashboard-agent-listen-port", str(free_port()))  # fmt: skip
-        self.nodes[name] = self.processes[-1]
+    def _wait_for_nodes(self, count: int) -> None:
+        """Like the base class, but only the node just started may not have exited (a killed
+        node's ``ray start`` is gone on purpose)."""
+        deadline = time.time() + 180
+        while self._alive_nodes() < count:
+            if self.processes[-1].poll() is not None:
+                raise RuntimeError("a `ray start` process exited during start-up (see above)")
+            if time.time() > deadline:
+                raise RuntimeError(f"the local cluster did not reach {count} nodes")
+            time.sleep(2)
+
+    def add_node(self, name: str, tries: int = 3) -> None:
+        """Start a worker node and wait until it is alive. On a loaded machine a raylet can
+        miss Ray's fixed 30 s registration window; that start is retried."""
+        alive = self._alive_nodes()
+        for attempt in range(tries):
+            node = f"{name}-{attempt}"
+            self._ray_start(node, "--address", f"127.0.0.1:{self.gcs_port}", "--num-cpus", "2",
+                            "--resources", json.dumps({SLOTS: 2}),
+                            "--dashboard-agent-listen-port", str(free_port()))  # fmt: skip
+            self.nodes[name] = self.processes[-1]
+            try:
+                self._wait_for_nodes(alive + 1)
+                return
+            except RuntimeError:
+                if self.nodes[name].poll() is None or attempt == tries - 1:
+                    raise
+                self.processes.remove(self.nodes[name])
 
     def kill_raylet(self, name: str) -> int:
         """SIGKILL the node's raylet (found in the node's own process group); its workers go
