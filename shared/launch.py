@@ -364,7 +364,7 @@ def job_run(cfg, run: JobRun | None = None) -> Iterator[JobRun]:
         with ray_cluster(cfg, token_file=os.path.join(cfg.run_dir, "ray-auth-token")) as info:
             run.cluster = info
             register_process(cfg.run_dir, DRIVER)  # for `make stack`
-            preemption.start_stop_flag(cfg.run_dir, cfg.preemption_grace_s)  # SIGTERM -> stop
+            preemption.start_stop_flag(cfg)  # a SIGTERM to the driver stops the workers cleanly
             print(start_block(cfg), flush=True)
             yield run
         if run.result is not None and run.result.error is not None:

@@ -232,7 +232,7 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
     strategy.model.train()
     micro, loss_sum, data_wait = 0, torch.zeros((), device=session.device), 0.0
     step_start = time.perf_counter()
-    stop = preemption.StopCheck(cfg.run_dir, session.rank, cfg.log_every,
+    stop = preemption.StopCheck(cfg, session.rank, cfg.log_every,
                                 use_ray=getattr(session, "uses_ray", False),
                                 device=session.device)  # fmt: skip
     preempted = False
