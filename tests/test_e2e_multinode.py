@@ -31,14 +31,15 @@ MICRO_BATCHES_PER_STEP = 48 // 6
 
 
 class ThreeNodeCluster(LocalCluster):
-    """Head (CPUs for Ray Data, no training slots) + worker nodes we can kill and add."""
+    """Head (logical CPUs for Ray Data: every worker runs its own unsplit pipeline, and with
+    one head CPU Ray Data found no budget for its reads) + worker nodes to kill and add."""
 
     def __init__(self):
         super().__init__(cluster_env())
         self.nodes: dict[str, subprocess.Popen] = {}
 
     def start(self) -> None:
-        self._ray_start("head", "--head", "--port", str(self.gcs_port), "--num-cpus", "1",
+        self._ray_start("head", "--head", "--port", str(self.gcs_port), "--num-cpus", "8",
                         "--include-dashboard", "true", "--dashboard-host", "127.0.0.1",
                         "--dashboard-port", str(self.dashboard_port),
                         "--dashboard-agent-listen-port", str(free_port()),
