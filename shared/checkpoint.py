@@ -206,15 +206,13 @@ def staging_root(run_dir: str, attempt: int, rank: int) -> str:
     by another job with the same run name, can ever be picked up.
 
     Scratch left by earlier attempts of this run on this node (a worker killed before its
-    report could clean up) is removed here."""
+    report could clean up) is removed here: a run has one worker group at a time."""
     run_root = os.path.join(tempfile.gettempdir(), "ray-train-templates", run_key(run_dir))
     mine = f"attempt-{attempt}"
     if os.path.isdir(run_root):
         for name in os.listdir(run_root):
             if name != mine:
-                shutil.rmtree(os.path.join(run_root, name, f"rank{rank}"), ignore_errors=True)
-                with contextlib.suppress(OSError):
-                    os.rmdir(os.path.join(run_root, name))  # only if no other rank uses it
+                shutil.rmtree(os.path.join(run_root, name), ignore_errors=True)
     path = os.path.join(run_root, mine, f"rank{rank}")
     os.makedirs(path, exist_ok=True)
     return path

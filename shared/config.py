@@ -55,6 +55,9 @@ class BaseConfig:
     placement_strategy: str = setting(
         "PACK", "How Ray places the workers: PACK (fewest nodes) or SPREAD (one per node first)."
     )
+    worker_resources: str = setting(
+        "", 'Extra Ray resources per worker as JSON, e.g. {"trainer": 1} (only such nodes).'
+    )
     max_failures: int = setting(0, "Worker-group restarts Ray Train may do before giving up.")
     keep_checkpoints: int = setting(2, "Checkpoints kept in storage; 0 = all.")
     collective_timeout_s: float = setting(
@@ -68,6 +71,20 @@ class BaseConfig:
     job: str = field(default="", metadata={"internal": True})
     profile: str = field(default="smoke", metadata={"internal": True})
     driver_start_time: float = field(default=0.0, metadata={"internal": True})
+
+    def worker_resources_dict(self) -> dict[str, float]:
+        try:
+            resources = json.loads(self.worker_resources) if self.worker_resources else {}
+        except ValueError:
+            resources = None
+        if not isinstance(resources, dict) or not all(
+            isinstance(v, (int, float)) and v > 0 for v in resources.values()
+        ):
+            raise ConfigError(
+                "worker_resources must be a JSON object of positive amounts, like "
+                f'{{"trainer": 1}} (got {self.worker_resources!r}).'
+            )
+        return resources
 
     @property
     def job_storage(self) -> str:
@@ -97,6 +114,7 @@ class BaseConfig:
                 f"placement_strategy must be one of {', '.join(PLACEMENT_STRATEGIES)} "
                 f"(got '{self.placement_strategy}')."
             )
+        self.worker_resources_dict()
         if "/" in self.run_name or self.run_name in (".", ".."):
             raise ConfigError(f"run_name must be a plain name, not a path (got '{self.run_name}').")
 
@@ -316,6 +334,9 @@ class FaultToleranceConfig(TrainConfig):
     )
     fail_times: int = setting(1, "How many attempts fail (one-shot markers in the run dir).")
     min_workers: int = setting(0, "Elastic: run with min_workers..num_workers; 0 = fixed size.")
+    elastic_resize_interval_s: float = setting(
+        60.0, "Elastic: how often Ray Train checks whether the worker group can grow again."
+    )
     keep_global_batch: bool = setting(
         True, "On a world-size change keep the global batch (adjust grad_accum), else per-worker."
     )

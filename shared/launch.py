@@ -218,12 +218,14 @@ def scaling_config(cfg):
     from ray.train import ScalingConfig
 
     elastic = getattr(cfg, "min_workers", 0)
+    resize = {"elastic_resize_monitor_interval_s": cfg.elastic_resize_interval_s} if elastic else {}
     return ScalingConfig(
         # (min, max): Ray Train V2 starts with as many as fit and may restart with fewer.
         num_workers=(elastic, cfg.num_workers) if elastic else cfg.num_workers,
         use_gpu=cfg.use_gpu,
-        resources_per_worker={"CPU": cfg.cpus_per_worker},
+        resources_per_worker={"CPU": cfg.cpus_per_worker, **cfg.worker_resources_dict()},
         placement_strategy=cfg.placement_strategy,
+        **resize,
     )
 
 
@@ -431,7 +433,7 @@ def job_run(cfg, run: JobRun | None = None, preflight=()) -> Iterator[JobRun]:
         with ray_cluster(cfg, token_file=token_file) as info:
             run.cluster = info
             register_process(cfg.run_dir, DRIVER)  # for `make stack`
-            preemption.start_stop_flag(cfg.run_dir, cfg.preemption_grace_s)  # SIGTERM -> stop
+            preemption.start_stop_flag(cfg)  # a SIGTERM to the driver stops the workers cleanly
             print(start_block(cfg), flush=True)
             yield run
         if run.result is not None and run.result.error is not None:

@@ -321,8 +321,9 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
     micro, loss_sum, data_wait = 0, torch.zeros((), device=session.device), 0.0
     last_saved = resumed_from
     step_start = time.perf_counter()
-    stop = preemption.StopCheck(cfg.run_dir, session.rank, cfg.log_every,
-                                use_ray=getattr(session, "uses_ray", False))  # fmt: skip
+    stop = preemption.StopCheck(cfg, session.rank, cfg.log_every,
+                                use_ray=getattr(session, "uses_ray", False),
+                                device=session.device)  # fmt: skip
     preempted = False
     while state.step < cfg.last_step and not preempted:
         batches = iter(session.epoch_batches(state.epoch, state.samples_in_epoch))

@@ -64,13 +64,14 @@ def install_worker_handler(grace_s: float) -> None:
 # --- driver side ---------------------------------------------------------------------------
 
 
-def stop_flag_name(run_dir: str) -> str:
+def stop_flag_name(cfg) -> str:
+    """One flag per driver (run and start time): a second driver never shares the first's."""
     from shared.checkpoint import run_key
 
-    return f"stop-{run_key(run_dir)}"
+    return f"stop-{run_key(cfg.run_dir)}-{cfg.driver_start_time}"
 
 
-def start_stop_flag(run_dir: str, grace_s: float):
+def start_stop_flag(cfg):
     """A named actor the workers poll, and a driver SIGTERM handler that sets it."""
     import ray
 
@@ -85,7 +86,7 @@ def start_stop_flag(run_dir: str, grace_s: float):
         def get(self) -> bool:
             return self.stop
 
-    flag = StopFlag.options(name=stop_flag_name(run_dir)).remote()
+    flag = StopFlag.options(name=stop_flag_name(cfg)).remote()
     ray.get(flag.get.remote())
 
     def on_sigterm(signum, frame):
@@ -95,7 +96,8 @@ def start_stop_flag(run_dir: str, grace_s: float):
         print("SIGTERM received by the driver: the workers checkpoint at the next step "
               "boundary, then stop", file=sys.stderr, flush=True)  # fmt: skip
         flag.set.remote()
-        _exit_after(grace_s + 30, "SIGTERM (driver)")  # the workers' grace, plus shutdown
+        # The workers' grace period, plus time to shut the cluster down.
+        _exit_after(cfg.preemption_grace_s + 30, "SIGTERM (driver)")
 
     signal.signal(signal.SIGTERM, on_sigterm)
     return flag
@@ -108,8 +110,10 @@ class StopCheck:
     blocking by rank 0), or Ray Train reports a node drain (asked every ``drain_every`` steps:
     ``get_preemption_info`` is a barrier of its own)."""
 
-    def __init__(self, run_dir: str, rank: int, drain_every: int, use_ray: bool = True):
+    def __init__(self, cfg, rank: int, drain_every: int, use_ray: bool = True,
+                 device: torch.device | None = None):  # fmt: skip
         self.rank = rank
+        self.device = device or torch.device("cpu")  # NCCL all-reduces device tensors only
         self.drain_every = drain_every
         self.use_ray = use_ray
         self.drained = False  # a just-in-time checkpoint was already saved for the drain
@@ -118,7 +122,7 @@ class StopCheck:
             import ray
 
             try:
-                self._flag = ray.get_actor(stop_flag_name(run_dir))
+                self._flag = ray.get_actor(stop_flag_name(cfg))
             except ValueError:
                 self._flag = None  # a driver without the flag (e.g. an older launcher)
 
@@ -137,7 +141,7 @@ class StopCheck:
 
     def stop(self) -> bool:
         local = stop_requested_locally() or (self.rank == 0 and self._driver_asked())
-        flag = torch.tensor([1 if local else 0], dtype=torch.int32)
+        flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
