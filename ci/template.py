@@ -65,8 +65,9 @@ build/anyscale-cli/.installed: constraints.txt
 \t  $$(grep -E '^anyscale==' constraints.txt)
 \t@touch $@
 
-submit: build/anyscale-cli/.installed ## Run on Anyscale (needs ANYSCALE_CLI_TOKEN or `anyscale login`)
-\tbuild/anyscale-cli/bin/anyscale job submit -f jobs/{job}/job.yaml $(if $(filter 1,$(WAIT)),--wait,)
+submit: build/anyscale-cli/.installed ## On Anyscale (ANYSCALE_CLI_TOKEN or `anyscale login`)
+\tbuild/anyscale-cli/bin/anyscale job submit -f jobs/{job}/job.yaml \\
+\t  $(if $(filter 1,$(WAIT)),--wait,)
 
 clean: ## Remove runs and caches
 \trm -rf runs .pytest_cache .ruff_cache
