@@ -22,8 +22,8 @@ from ci.jobspec import REPO, JobSpecError, load
 
 CREDENTIALS_FILE = Path.home() / ".anyscale" / "credentials.json"
 LOGIN_HINT = (
-    "no Anyscale credentials: run `build/anyscale-cli/bin/anyscale login` or export ANYSCALE_CLI_TOKEN "
-    "(an API key from the Anyscale console)."
+    "no Anyscale credentials: run `build/anyscale-cli/bin/anyscale login` (after `make "
+    "anyscale-cli`) or export ANYSCALE_CLI_TOKEN (an API key from the Anyscale console)."
 )
 
 

@@ -68,6 +68,8 @@ STORAGE_KINDS = ("kind", "pvc")  # or an object-store URI
 POD_RAM_FRACTION = 0.8  # of the node's RAM: the rest for the kubelet and daemon sets
 # A smoke run on kind: image pull, the runtime env's pip install, ~1 min of training.
 SMOKE_DEADLINE_S = 1800
+# `make run-kuberay` waits the RayJob's deadline plus this (the operator marks it Failed then).
+RUN_GRACE_S = 300
 # KubeRay's RayJob .status.jobDeploymentStatus values after which nothing more happens
 # (rayjob_types.go: Complete, Failed, ValidationFailed; the others are on the way there).
 TERMINAL_DEPLOYMENT_STATUSES = ("Complete", "Failed", "ValidationFailed")
@@ -628,7 +630,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command != "run":
             return 0
         timeout = (
-            args.timeout or by_kind(manifests)["RayJob"]["spec"]["activeDeadlineSeconds"] + 300
+            args.timeout
+            or by_kind(manifests)["RayJob"]["spec"]["activeDeadlineSeconds"] + RUN_GRACE_S
         )
         return run(args.job, paths, timeout)
     except (KubeRayError, JobSpecError) as err:

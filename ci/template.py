@@ -58,8 +58,16 @@ setup: .venv/.installed ## Create .venv with the pinned stack
 run-local: setup ## Run on a local Ray cluster: make run-local [PROFILE=full] [ARGS="k=v ..."]
 \t$(NET) $(PY) jobs/{job}/main.py --profile $(PROFILE) $(ARGS)
 
-submit: setup ## Run on Anyscale (needs ANYSCALE_CLI_TOKEN or `anyscale login`)
-\t.venv/bin/anyscale job submit -f jobs/{job}/job.yaml $(if $(filter 1,$(WAIT)),--wait,)
+# A venv with only the anyscale CLI: nothing else is built while the token is in the environment.
+build/anyscale-cli/.installed: constraints.txt
+\tpython3 -m venv build/anyscale-cli
+\tbuild/anyscale-cli/bin/python -m pip install --quiet -c constraints.txt \\
+\t  $$(grep -E '^anyscale==' constraints.txt)
+\t@touch $@
+
+submit: build/anyscale-cli/.installed ## On Anyscale (ANYSCALE_CLI_TOKEN or `anyscale login`)
+\tbuild/anyscale-cli/bin/anyscale job submit -f jobs/{job}/job.yaml \\
+\t  $(if $(filter 1,$(WAIT)),--wait,)
 
 clean: ## Remove runs and caches
 \trm -rf runs .pytest_cache .ruff_cache

@@ -146,3 +146,12 @@ def test_make_validate_runs_the_new_checks():
     for name in ("test_deploy", "test_kuberay", "test_pins", "test_ci_config", "test_template"):
         assert f"tests/{name}.py" in tests
         assert (REPO / "tests" / f"{name}.py").is_file()
+
+
+def test_the_kind_workflow_outlasts_the_smoke_rayjobs_deadline():
+    from ci import kuberay
+
+    job = workflow("kuberay.yml")["jobs"]["kind-e2e"]
+    run_kuberay_wait_s = kuberay.SMOKE_DEADLINE_S + kuberay.RUN_GRACE_S  # make run-kuberay
+    # kind + the operator come up first (~5 min); the RayJob's own deadline ends it before.
+    assert run_kuberay_wait_s + 10 * 60 <= job["timeout-minutes"] * 60

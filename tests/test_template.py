@@ -83,3 +83,15 @@ def test_a_path_outside_the_copy_does_not_count(tmp_path):
         "jobs/fsdp/README.md: make bench",
         "jobs/fsdp/README.md: ../../../ddp/README.md",
     ]
+
+
+def test_the_copys_submit_builds_only_the_anyscale_cli(export):
+    """As in the monorepo: no training package is built while the token is in the environment."""
+    import re
+
+    _, dest = export
+    makefile = (dest / "Makefile").read_text()
+    prerequisites = re.search(r"^submit: ([^#\n]*)", makefile, flags=re.M)[1].split()
+    assert prerequisites == ["build/anyscale-cli/.installed"]
+    install = re.search(r"^build/anyscale-cli/\.installed: .*\n((?:\t.*\n)+)", makefile, re.M)[1]
+    assert "grep -E '^anyscale==' constraints.txt" in install and "-e" not in install.split()
