@@ -30,6 +30,13 @@ class JobResult:
         return self.stdout + self.stderr
 
 
+def job_env() -> dict[str, str]:
+    """The environment of a job subprocess: this checkout's ``shared`` first (the editable
+    install may point at another checkout, e.g. from a git worktree)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
+
+
 def run_job(job: str, *overrides: str, storage: Path, timeout: float = 600) -> JobResult:
     """``python jobs/<job>/main.py --profile smoke storage_path=... <overrides>``."""
     cmd = [
@@ -38,7 +45,7 @@ def run_job(job: str, *overrides: str, storage: Path, timeout: float = 600) -> J
         f"storage_path={storage}",
         *overrides,
     ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = job_env()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     summary = None
     for line in proc.stdout.splitlines():

@@ -8,7 +8,6 @@ Run the server and the tests in one network namespace:
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import time
 from collections import Counter
 
 import pytest
-from conftest import REPO, run_job
+from conftest import REPO, job_env, run_job
 
 from shared import storage
 
@@ -171,7 +170,7 @@ class Driver:
 
     def __init__(self, *args: str):
         cmd = [sys.executable, str(REPO / "jobs" / "fault_tolerance" / "main.py"), *args]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = job_env()
         self.proc = subprocess.Popen(cmd, cwd=REPO, text=True, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, env=env)  # fmt: skip
         self.lines: list[str] = []
