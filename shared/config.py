@@ -133,6 +133,9 @@ class TrainConfig(BaseConfig):
 
     # --- checkpointing and logging -------------------------------------------------------
     checkpoint_every: int = setting(10, "Save a checkpoint every N steps (and at the end).")
+    export_at_end: bool = setting(
+        False, "After the run, export the last checkpoint to <run_dir>/export/step_<N> (HF format)."
+    )
     log_every: int = setting(5, "Print a progress line every N steps.")
     peak_tflops: float = setting(
         0.0, "Per-device peak TFLOP/s for MFU; 0 = look the device up (see shared/metrics.py)."

@@ -15,6 +15,6 @@ GPT2_AG_NEWS = {
         dataset="hf://datasets/fancyzhx/ag_news/data/train-00000-of-00001.parquet",
         seq_len=1024, micro_batch_size=8, grad_accum=1, max_steps=2000, lr=6e-4,
         warmup_steps=100, checkpoint_every=500, log_every=20, num_workers=4, use_gpu=True,
-        cpus_per_worker=8, max_failures=3,
+        cpus_per_worker=8, max_failures=3, export_at_end=True,
     ),
 }  # fmt: skip

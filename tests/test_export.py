@@ -117,9 +117,11 @@ def _worker(rank, case, world, init_file, cfg, data, spec, batch, out):
         dist.destroy_process_group()
 
 
-def train_case(case: str, tmp_path, corpus):
+def train_case(case: str, tmp_path, corpus, **overrides):
     data, spec, tokenizer = corpus
     cfg = make_cfg(case, str(tmp_path / "runs"), tokenizer)
+    for name, value in overrides.items():
+        setattr(cfg, name, value)
     os.makedirs(cfg.run_dir, exist_ok=True)
     with open(os.path.join(cfg.run_dir, SETTINGS_FILE), "w") as f:
         json.dump(settings_record(cfg), f, default=str)
@@ -131,13 +133,22 @@ def train_case(case: str, tmp_path, corpus):
     return cfg, batch, torch.load(out)
 
 
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory, corpus):
+    """A ddp run with checkpoints at steps 1 and 2 (shared by the tests of bad input)."""
+    return train_case("ddp", tmp_path_factory.mktemp("ddp"), corpus, checkpoint_every=1)
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_export_gives_the_training_models_logits(case, tmp_path, corpus):
+def test_export_gives_the_training_models_logits(case, tmp_path, corpus, request):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from shared.export.__main__ import main as export_main
 
-    cfg, batch, expected = train_case(case, tmp_path, corpus)
+    if case == "ddp":
+        cfg, batch, expected = request.getfixturevalue("ddp_run")
+    else:
+        cfg, batch, expected = train_case(case, tmp_path, corpus)
     dest = str(tmp_path / "hf")
     argv = ["--job", case, "--run", "r", "--storage-path", cfg.storage_path, "--dest", dest]
     assert export_main(argv) == 0
@@ -184,3 +195,64 @@ def test_rope_permutation_matters():
         bad = unpermuted(input_ids=batch).logits
     assert (good - expected).abs().max().item() <= ATOL
     assert (bad - expected).abs().max().item() > 1e-3
+
+
+def copy_run(cfg, tmp_path) -> str:
+    import shutil
+
+    storage_path = str(tmp_path / "copy")
+    shutil.copytree(cfg.run_dir, os.path.join(storage_path, cfg.job, cfg.run_name))
+    return storage_path
+
+
+def test_a_damaged_checkpoint_is_refused_and_the_default_falls_back(ddp_run, tmp_path, capsys):
+    from shared.export.__main__ import main as export_main
+
+    cfg, _, _ = ddp_run
+    storage_path = copy_run(cfg, tmp_path)
+    model_pt = os.path.join(storage_path, "ddp", "r", "step_000002", "model.pt")
+    with open(model_pt, "r+b") as f:  # half-written: the manifest's size no longer matches
+        f.truncate(100)
+    args = ["--job", "ddp", "--run", "r", "--storage-path", storage_path]
+    assert export_main([*args, "--step", "2", "--dest", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: checkpoint step_000002 is incomplete or damaged")
+    assert "model.pt has 100 bytes" in err and len(err.strip().splitlines()) == 1
+    assert not os.path.exists(tmp_path / "bad")
+    # No step given: the newest checkpoint that verifies (step 1), as a resume would pick.
+    assert export_main([*args, "--dest", str(tmp_path / "ok")]) == 0
+    assert json.load(open(tmp_path / "ok" / "export_info.json"))["step"] == 1
+
+
+def test_nothing_to_export_or_another_model_is_one_sentence(ddp_run, tmp_path, capsys):
+    from shared.export.__main__ import main as export_main
+
+    cfg, _, _ = ddp_run
+    assert export_main(["--job", "ddp", "--run", "nope", "--storage-path", str(tmp_path)]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    storage_path = copy_run(cfg, tmp_path)
+    settings_path = os.path.join(storage_path, "ddp", "r", SETTINGS_FILE)
+    record = json.load(open(settings_path))
+    record["settings"]["model"] = "llama-tiny"
+    json.dump(record, open(settings_path, "w"))
+    dest = tmp_path / "hf"
+    argv = ["--job", "ddp", "--run", "r", "--storage-path", storage_path, "--dest", str(dest)]
+    assert export_main(argv) == 2
+    assert "holds no Llama weights but the run's model is llama-tiny" in capsys.readouterr().err
+    assert not dest.exists()
+
+
+def test_export_to_object_storage_writes_config_last_and_loads(ddp_run, s3_prefix, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from shared import storage
+    from shared.export import export_run
+
+    cfg, batch, expected = ddp_run
+    dest = export_run(cfg.run_dir, dest=f"{s3_prefix}/hf")
+    assert {"config.json", "model.safetensors", "export_info.json"} <= set(storage.listdir(dest))
+    local = str(tmp_path / "down")
+    storage.download_dir(dest, local)
+    model = AutoModelForCausalLM.from_pretrained(local, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert (model(input_ids=batch).logits - expected).abs().max().item() <= ATOL
