@@ -133,6 +133,13 @@ class TrainConfig(BaseConfig):
 
     # --- checkpointing and logging -------------------------------------------------------
     checkpoint_every: int = setting(10, "Save a checkpoint every N steps (and at the end).")
+    eval_every: int = setting(
+        10, "Held-out loss/perplexity every N steps and at the end (shared/evaluation.py); 0 = off."
+    )
+    eval_batches: int = setting(4, "Validation micro-batches per data-parallel rank per eval.")
+    eval_dataset: str = setting(
+        "", "Validation parquet (never trained on); empty = held-out generated rows."
+    )
     export_at_end: bool = setting(
         False, "After the run, export the last checkpoint to <run_dir>/export/step_<N> (HF format)."
     )

@@ -43,7 +43,7 @@ OPTIONAL_SUMMARY_KEYS = (
     "steps_this_run", "attempt_initial_loss", "mfu", "step_time_median_s", "data_wait_total_s",
     "data_wait_fraction", "first_batch_wait_s", "dtype", "model_state_bytes_per_rank",
     "peak_rss", "cuda_peak_allocated", "samples_per_epoch", "diverged_at_step", "divergence",
-    "last_good_checkpoint_step", "preempted_at_step",
+    "last_good_checkpoint_step", "preempted_at_step", "eval_loss", "eval_ppl", "first_eval_loss",
 )  # fmt: skip
 
 

@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from shared import checkpoint, optim, preemption, resume, storage
+from shared import checkpoint, evaluation, optim, preemption, resume, storage
 from shared.checkpoint import TrainState
 from shared.metrics import (
     StepMetrics,
@@ -327,6 +327,7 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
     stop = preemption.StopCheck(cfg.run_dir, session.rank, cfg.log_every,
                                 use_ray=getattr(session, "uses_ray", False))  # fmt: skip
     preempted = False
+    evaluator = evaluation.Evaluator.for_run(cfg, session)  # None with eval_every=0
     while state.step < cfg.last_step and not preempted:
         batches = iter(session.epoch_batches(state.epoch, state.samples_in_epoch))
         seen_in_epoch = state.samples_in_epoch
@@ -353,14 +354,17 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
             grad_norm = strategy.optimizer_step()
             state.step += 1
             state.tokens_seen += cfg.tokens_per_step
+            step_time = time.perf_counter() - step_start  # evaluation is not part of the step
+            held_out = evaluation.run_if_due(evaluator, cfg, strategy, state.step)
             row = tracker.record(
                 step=state.step,
                 epoch=state.epoch,
                 loss=global_mean(loss_sum / cfg.grad_accum),
                 lr=strategy.current_lr(),
                 grad_norm=grad_norm,
-                step_time=time.perf_counter() - step_start,
+                step_time=step_time,
                 data_wait=data_wait,
+                **held_out,
             )
             if state.initial_loss is None:
                 state.initial_loss = row["loss"]
