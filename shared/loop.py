@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from shared import checkpoint, evaluation, optim, preemption, resume, storage
+from shared import checkpoint, evaluation, generation, optim, preemption, resume, storage
 from shared.checkpoint import TrainState
 from shared.metrics import (
     StepMetrics,
@@ -407,6 +407,8 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
         elif cfg.stop_at_step and state.step == cfg.stop_at_step:
             print(f"stopped at step {state.step} of {cfg.max_steps} (stop_at_step); run again "
                   f"with run_name={cfg.run_name} to continue", flush=True)  # fmt: skip
+    if state.step == cfg.max_steps and tracker.history:  # the run finished training
+        generation.write_samples(cfg, strategy, session)
     outputs.finish(tracker)
     summary = {**run_summary(tracker, strategy, session, state, resumed_from), "status": "succeeded"}
     return {**summary, "preempted_at_step": state.step} if preempted else summary

@@ -78,6 +78,10 @@ def test_eval_does_not_change_training_and_its_loss_falls(tmp_path, corpus):
     assert "eval_loss" not in without
     assert with_eval["eval_loss"] < with_eval["first_eval_loss"]
     assert with_eval["eval_ppl"] == pytest.approx(math.exp(with_eval["eval_loss"]))
+    # Samples at the end (shared/generation.py): greedy, so both runs write the same text.
+    samples = [(tmp_path / run / "test" / "t" / "samples.txt").read_text() for run in "ab"]
+    assert samples[0] == samples[1] and len(samples[0].splitlines()) == 3
+    assert samples[0].startswith("'the market' -> '")
 
 
 def _eval_worker(rank, init_file, cfg, spec, blocks, out):

@@ -103,6 +103,8 @@ def training_logits(case: str, strategy, batch: torch.Tensor) -> torch.Tensor:
 
 def _worker(rank, case, world, init_file, cfg, data, spec, batch, out):
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # What torchrun (or Ray Train) sets and DeepSpeed reads; one node, so local rank = rank.
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)  # fmt: skip
     try:
