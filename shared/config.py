@@ -181,9 +181,9 @@ class TrainConfig(BaseConfig):
         super().validate()
         for name in ("micro_batch_size", "grad_accum", "max_steps", "checkpoint_every"):
             _at_least(self, name, 1)
-        for name in ("log_every", "smoke_rows"):
+        for name in ("log_every", "smoke_rows", "eval_batches"):
             _at_least(self, name, 1)
-        for name in ("warmup_steps", "max_samples", "stop_at_step"):
+        for name in ("warmup_steps", "max_samples", "stop_at_step", "eval_every"):
             _at_least(self, name, 0)
         _at_least(self, "seq_len", 2)
         if self.lr <= 0:
