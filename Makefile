@@ -51,7 +51,8 @@ endif
 
 .PHONY: help setup run-local test test-unit lint clean stack tensorboard \
 	run-cluster submit compute-configs containerfiles render-kuberay run-kuberay kuberay-crds \
-	kind-up kind-image kind-down template validate plan bench dry-run anyscale-cli s3-up s3-down
+	kind-up kind-image kind-down template validate plan bench dry-run anyscale-cli s3-up s3-down \
+	export
 
 help: ## Show the targets
 	@echo "usage: make <target> [JOB=<job>] [PROFILE=smoke|full] [ARGS=\"key=value ...\"]"
@@ -68,6 +69,12 @@ $(STAMP): pyproject.toml constraints.txt ci/setup.sh
 
 run-local: setup ## Run JOB on a local Ray cluster: make run-local JOB=ddp [PROFILE=full] [ARGS="lr=1e-3"]
 	$(NET) $(PY) jobs/$(JOB)/main.py --profile $(PROFILE) $(ARGS)
+
+# ARGS="--storage-path s3://bucket/runs" for runs stored elsewhere than runs/.
+export: setup ## HF model dir from a run's checkpoint: make export JOB=ddp RUN=<run_name> [STEP=n] [DEST=dir]
+	@test -n "$(JOB)" -a -n "$(RUN)" || { echo "usage: make export JOB=<job> RUN=<run_name> [STEP=n] [DEST=dir]" >&2; exit 2; }
+	$(PY) -m shared.export --job $(JOB) --run $(RUN) $(if $(STEP),--step $(STEP),) \
+		$(if $(DEST),--dest $(DEST),) $(ARGS)
 
 # No `setup` prerequisite: this runs beside a live job and must never start a reinstall.
 stack: ## Python stacks of JOB's running driver + workers: make stack JOB=ddp [ARGS="--run NAME"]

@@ -151,6 +151,16 @@ class TrainConfig(BaseConfig):
 
     # --- checkpointing and logging -------------------------------------------------------
     checkpoint_every: int = setting(10, "Save a checkpoint every N steps (and at the end).")
+    eval_every: int = setting(
+        10, "Held-out loss/perplexity every N steps and at the end (shared/evaluation.py); 0 = off."
+    )
+    eval_batches: int = setting(4, "Validation micro-batches per data-parallel rank per eval.")
+    eval_dataset: str = setting(
+        "", "Validation parquet (never trained on); empty = held-out generated rows."
+    )
+    export_at_end: bool = setting(
+        False, "After the run, export the last checkpoint to <run_dir>/export/step_<N> (HF format)."
+    )
     log_every: int = setting(5, "Print a progress line every N steps.")
     peak_tflops: float = setting(
         0.0, "Per-device peak TFLOP/s for MFU; 0 = look the device up (see shared/metrics.py)."
@@ -189,9 +199,9 @@ class TrainConfig(BaseConfig):
         super().validate()
         for name in ("micro_batch_size", "grad_accum", "max_steps", "checkpoint_every"):
             _at_least(self, name, 1)
-        for name in ("log_every", "smoke_rows"):
+        for name in ("log_every", "smoke_rows", "eval_batches"):
             _at_least(self, name, 1)
-        for name in ("warmup_steps", "max_samples", "stop_at_step"):
+        for name in ("warmup_steps", "max_samples", "stop_at_step", "eval_every"):
             _at_least(self, name, 0)
         _at_least(self, "seq_len", 2)
         if self.lr <= 0:

@@ -42,7 +42,7 @@ OPTIONAL_SUMMARY_KEYS = (
     "steps_this_run", "attempt_initial_loss", "mfu", "step_time_median_s", "data_wait_total_s",
     "data_wait_fraction", "first_batch_wait_s", "dtype", "model_state_bytes_per_rank",
     "peak_rss", "cuda_peak_allocated", "samples_per_epoch", "diverged_at_step", "divergence",
-    "last_good_checkpoint_step", "preempted_at_step",
+    "last_good_checkpoint_step", "preempted_at_step", "eval_loss", "eval_ppl", "first_eval_loss",
 )  # fmt: skip
 
 
@@ -377,6 +377,25 @@ def train_on_text(
         )
         run.result = trainer.fit()
         run.extra["worker_nodes"] = train_worker_nodes()
+        if getattr(cfg, "export_at_end", False):
+            run.extra["export"] = export_after_run(cfg, run)
+
+
+def export_after_run(cfg, run: JobRun) -> str | None:
+    """``export_at_end``: the Hugging Face export of a run that finished (shared/export).
+    An export that fails leaves the trained run successful: a warning, and ``export: null``."""
+    from shared.export import export_at_end
+
+    metrics = (run.result.metrics if run.result is not None else None) or {}
+    if run.result is None or run.result.error or metrics.get("preempted_at_step"):
+        return None
+    try:
+        dest = export_at_end(cfg)
+    except Exception as err:  # noqa: BLE001 - the checkpoint is still there to export by hand
+        print(f"warning: no export: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        return None
+    print(f"exported to Hugging Face format: {dest}", flush=True)
+    return dest
 
 
 def checkpoint_uri(run_dir: str, path: str) -> str:

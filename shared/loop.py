@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from shared import checkpoint, optim, preemption, resume, storage
+from shared import checkpoint, evaluation, generation, optim, preemption, resume, storage
 from shared.checkpoint import TrainState
 from shared.metrics import (
     DIVERGENCE_FILE,
@@ -325,6 +325,7 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
                                 use_ray=getattr(session, "uses_ray", False),
                                 device=session.device)  # fmt: skip
     preempted = False
+    evaluator = evaluation.Evaluator.for_run(cfg, session)  # None with eval_every=0
     while state.step < cfg.last_step and not preempted:
         batches = iter(session.epoch_batches(state.epoch, state.samples_in_epoch))
         seen_in_epoch = state.samples_in_epoch
@@ -351,14 +352,17 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
             grad_norm = strategy.optimizer_step()
             state.step += 1
             state.tokens_seen += cfg.tokens_per_step
+            step_time = time.perf_counter() - step_start  # evaluation is not part of the step
+            held_out = evaluation.run_if_due(evaluator, cfg, strategy, state.step)
             row = tracker.record(
                 step=state.step,
                 epoch=state.epoch,
                 loss=global_mean(loss_sum / cfg.grad_accum),
                 lr=strategy.current_lr(),
                 grad_norm=grad_norm,
-                step_time=time.perf_counter() - step_start,
+                step_time=step_time,
                 data_wait=data_wait,
+                **held_out,
             )
             if state.initial_loss is None:
                 state.initial_loss = row["loss"]
@@ -401,6 +405,8 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
         elif cfg.stop_at_step and state.step == cfg.stop_at_step:
             print(f"stopped at step {state.step} of {cfg.max_steps} (stop_at_step); run again "
                   f"with run_name={cfg.run_name} to continue", flush=True)  # fmt: skip
+    if state.step == cfg.max_steps and tracker.history:  # the run finished training
+        generation.write_samples(cfg, strategy, session)
     outputs.finish(tracker)
     summary = {**run_summary(tracker, strategy, session, state, resumed_from), "status": "succeeded"}
     return {**summary, "preempted_at_step": state.step} if preempted else summary

@@ -120,7 +120,7 @@ class StepMetrics:
         self.first_step_end: float | None = None
 
     def record(self, *, step: int, epoch: int, loss: float, lr: float, grad_norm: float | None,
-               step_time: float, data_wait: float) -> dict:  # fmt: skip
+               step_time: float, data_wait: float, **extra) -> dict:  # fmt: skip
         now = time.time()
         if self.first_step_end is None:
             self.first_step_end = now
@@ -137,6 +137,7 @@ class StepMetrics:
             "data_wait_fraction": data_wait / step_time if step_time > 0 else 0.0,
             "tokens_per_s": tokens_per_s,
             "mfu": tokens_per_s * self.flops_per_token / self.peak_flops,
+            **extra,  # eval_loss / eval_ppl on evaluation steps (shared/evaluation.py)
         }
         self.history.append(row)
         if self.log is not None:
@@ -172,6 +173,8 @@ class StepMetrics:
             f"epoch {row['epoch']} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
             f"{steady['tokens_per_s']:,.0f} tok/s | mfu {100 * steady['mfu']:.2f}% | "
             f"data wait {100 * steady['data_wait_fraction']:.0f}% | eta {format_duration(eta)}"
+            + (f" | eval loss {row['eval_loss']:.4f} ppl {row['eval_ppl']:.2f}"
+               if "eval_loss" in row else "")  # fmt: skip
         )
 
     def summary(self) -> dict:
@@ -187,7 +190,16 @@ class StepMetrics:
             "data_wait_total_s": sum(r["data_wait_s"] for r in self.history),
             "time_to_first_step_s": self.first_step_end - self.cfg.driver_start_time,
             "steps_this_run": len(self.history),
+            **self.eval_summary(),
         }
+
+    def eval_summary(self) -> dict:
+        """The last evaluation's loss and perplexity, and this attempt's first eval loss."""
+        evals = [r for r in self.history if "eval_loss" in r]
+        if not evals:
+            return {}
+        return {"eval_loss": evals[-1]["eval_loss"], "eval_ppl": evals[-1]["eval_ppl"],
+                "first_eval_loss": evals[0]["eval_loss"]}  # fmt: skip
 
 
 def rank0_metrics_path(run_dir: str, rank: int) -> str | None:

@@ -46,7 +46,11 @@ def save_run_plots(rows: list[dict], path: str, title: str = "") -> str:
     fig, (loss_ax, speed_ax) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
 
     steps, losses = _column(rows, "loss")
-    loss_ax.plot(steps, losses, color="tab:blue")
+    loss_ax.plot(steps, losses, color="tab:blue", label="train")
+    evals = [(r["step"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
+    if evals:  # held-out loss, on evaluation steps only
+        loss_ax.plot(*zip(*evals, strict=True), color="tab:orange", marker="o", label="eval")
+        loss_ax.legend(loc="upper right")
     loss_ax.set_ylabel("loss")
     loss_ax.set_title(title or "training loss")
     loss_ax.grid(alpha=0.3)

@@ -21,6 +21,8 @@ STEP_SCALARS = {
     "step_time_s": "time/step_time_s",
     "data_wait_s": "time/data_wait_s",
     "data_wait_fraction": "time/data_wait_fraction",  # data wait / step time: input-bound share
+    "eval_loss": "eval/loss",  # held-out, on evaluation steps only (shared/evaluation.py)
+    "eval_ppl": "eval/perplexity",
 }
 
 

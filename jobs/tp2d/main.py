@@ -35,7 +35,8 @@ PROFILES = {
         model="llama-500m", dp=2, tp=4, num_workers=8, use_gpu=True, cpus_per_worker=8,
         dataset=WIKITEXT_103_TRAIN, tokenizer="gpt2", seq_len=2048, micro_batch_size=8,
         grad_accum=4, max_steps=5000, lr=3e-4, warmup_steps=200, checkpoint_every=500,
-        log_every=20, max_failures=3,
+        log_every=20, max_failures=3, export_at_end=True, eval_every=500,
+        eval_dataset=WIKITEXT_103_TRAIN.replace("train-", "validation-"),
     ),
 }  # fmt: skip
 
