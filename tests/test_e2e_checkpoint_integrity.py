@@ -67,7 +67,7 @@ def test_worker_killed_during_a_dcp_checkpoint_write_ends_bitwise_equal(tmp_path
         result.stdout
     )
     assert s["failures_recovered"] == 1 and s["steps"] == 12
-    assert s["samples_seen"] == reference["samples_seen"]
+    assert s["samples_per_epoch"] == reference["samples_per_epoch"]
     expected = dcp_weights(reference["checkpoint"], tmp_path)
     got = dcp_weights(s["checkpoint"], tmp_path)
     assert expected.keys() == got.keys()

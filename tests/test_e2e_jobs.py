@@ -47,7 +47,7 @@ def test_ddp_smoke_trains_and_checkpoints(ddp_runs):
     # The checkpoint Ray Train registered: rank 0's model/optimizer, both ranks' RNG, counters.
     ckpt = s["checkpoint"]
     assert os.path.basename(ckpt) == "step_000020"
-    assert sorted(os.listdir(ckpt)) == ["model.pt", "rng", "train_state.json"]
+    assert sorted(os.listdir(ckpt)) == ["manifest", "model.pt", "rng", "train_state.json"]
     assert sorted(os.listdir(os.path.join(ckpt, "rng"))) == ["rank0.pt", "rank1.pt"]
     state = json.loads(Path(os.path.join(ckpt, "train_state.json")).read_text())
     assert state["step"] == 20 and state["world_size"] == 2
