@@ -326,6 +326,7 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
                                 device=session.device)  # fmt: skip
     preempted = False
     evaluator = evaluation.Evaluator.for_run(cfg, session)  # None with eval_every=0
+    preemption.training(True)
     while state.step < cfg.last_step and not preempted:
         batches = iter(session.epoch_batches(state.epoch, state.samples_in_epoch))
         seen_in_epoch = state.samples_in_epoch
@@ -370,6 +371,7 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
             outputs.step(row)
             reason = nonfinite_reason(cfg, strategy, row)
             if any_rank(bool(reason), session.device):
+                preemption.training(False)
                 profiler.close()
                 summary = stop_diverged(cfg, strategy, session, state, tracker, row, reason,
                                         resumed_from, last_saved)  # fmt: skip
@@ -394,6 +396,7 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
             state.samples_per_epoch[str(state.epoch)] = state.samples_in_epoch
             state.epoch += 1
             state.samples_in_epoch = 0
+    preemption.training(False)
     profiler.close()
     tracker.flush()
     if session.rank == 0:
@@ -408,7 +411,10 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
     if state.step == cfg.max_steps and tracker.history:  # the run finished training
         generation.write_samples(cfg, strategy, session)
     outputs.finish(tracker)
-    summary = {**run_summary(tracker, strategy, session, state, resumed_from), "status": "succeeded"}
+    summary = {
+        **run_summary(tracker, strategy, session, state, resumed_from),
+        "status": "succeeded",
+    }
     return {**summary, "preempted_at_step": state.step} if preempted else summary
 
 

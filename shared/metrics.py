@@ -173,8 +173,11 @@ class StepMetrics:
             f"epoch {row['epoch']} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
             f"{steady['tokens_per_s']:,.0f} tok/s | mfu {100 * steady['mfu']:.2f}% | "
             f"data wait {100 * steady['data_wait_fraction']:.0f}% | eta {format_duration(eta)}"
-            + (f" | eval loss {row['eval_loss']:.4f} ppl {row['eval_ppl']:.2f}"
-               if "eval_loss" in row else "")  # fmt: skip
+            + (
+                f" | eval loss {row['eval_loss']:.4f} ppl {row['eval_ppl']:.2f}"
+                if "eval_loss" in row
+                else ""
+            )  # fmt: skip
         )
 
     def summary(self) -> dict:

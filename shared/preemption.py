@@ -27,6 +27,14 @@ import torch.distributed as dist
 
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: the platform's retry (max_retries, backoffLimit) reruns it
 _stop = threading.Event()  # set by this process's SIGTERM handler
+# Set while the loop trains. Outside it (start-up, and the shutdown SIGTERM Ray sends every
+# worker after a finished run) a SIGTERM gets the handler that was there before ours.
+_training = threading.Event()
+
+
+def training(active: bool) -> None:
+    """The loop says when a step boundary is still to come (only then is a SIGTERM a stop)."""
+    (_training.set if active else _training.clear)()
 
 
 def stop_requested_locally() -> bool:
@@ -50,7 +58,15 @@ def install_worker_handler(grace_s: float) -> None:
     """SIGTERM -> checkpoint at the next step boundary (a second SIGTERM exits at once).
     Must run on the process's main thread."""
 
+    previous = signal.getsignal(signal.SIGTERM)
+
     def on_sigterm(signum, frame):
+        if not _training.is_set():
+            if callable(previous):
+                return previous(signum, frame)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return None
         if _stop.is_set():
             os._exit(EXIT_PREEMPTED)
         _stop.set()

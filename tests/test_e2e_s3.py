@@ -56,7 +56,12 @@ def test_ddp_on_s3_writes_every_run_file_to_the_bucket(ddp_runs, bucket):
     assert first["run_dir"] == run_dir and first["steps"] == 8
     # The checkpoint Ray Train registered, as a URI a user can open.
     assert first["checkpoint"] == f"{run_dir}/step_000008"
-    assert storage.listdir(first["checkpoint"]) == ["manifest", "model.pt", "rng", "train_state.json"]
+    assert storage.listdir(first["checkpoint"]) == [
+        "manifest",
+        "model.pt",
+        "rng",
+        "train_state.json",
+    ]
     assert storage.listdir(storage.join(first["checkpoint"], "rng")) == ["rank0.pt", "rank1.pt"]
     state = json.loads(storage.read_text(storage.join(first["checkpoint"], "train_state.json")))
     assert state["step"] == 8 and state["world_size"] == 2

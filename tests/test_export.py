@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -155,7 +156,7 @@ def test_export_gives_the_training_models_logits(case, tmp_path, corpus, request
     argv = ["--job", case, "--run", "r", "--storage-path", cfg.storage_path, "--dest", dest]
     assert export_main(argv) == 0
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(dest))
-    info = json.load(open(os.path.join(dest, "export_info.json")))
+    info = json.loads(Path(dest, "export_info.json").read_text())
     assert info["step"] == STEPS
     assert info["format"] == {"ddp": "ddp", "fsdp": "dcp", "tp2d": "dcp"}.get(case, "deepspeed")
 
@@ -223,7 +224,7 @@ def test_a_damaged_checkpoint_is_refused_and_the_default_falls_back(ddp_run, tmp
     assert not os.path.exists(tmp_path / "bad")
     # No step given: the newest checkpoint that verifies (step 1), as a resume would pick.
     assert export_main([*args, "--dest", str(tmp_path / "ok")]) == 0
-    assert json.load(open(tmp_path / "ok" / "export_info.json"))["step"] == 1
+    assert json.loads((tmp_path / "ok" / "export_info.json").read_text())["step"] == 1
 
 
 def test_nothing_to_export_or_another_model_is_one_sentence(ddp_run, tmp_path, capsys):
@@ -234,9 +235,9 @@ def test_nothing_to_export_or_another_model_is_one_sentence(ddp_run, tmp_path, c
     assert "does not exist" in capsys.readouterr().err
     storage_path = copy_run(cfg, tmp_path)
     settings_path = os.path.join(storage_path, "ddp", "r", SETTINGS_FILE)
-    record = json.load(open(settings_path))
+    record = json.loads(Path(settings_path).read_text())
     record["settings"]["model"] = "llama-tiny"
-    json.dump(record, open(settings_path, "w"))
+    Path(settings_path).write_text(json.dumps(record))
     dest = tmp_path / "hf"
     argv = ["--job", "ddp", "--run", "r", "--storage-path", storage_path, "--dest", str(dest)]
     assert export_main(argv) == 2
