@@ -50,7 +50,8 @@ def test_second_run_reuses_the_packed_dataset_and_killed_writes_are_never_used(
     lines: list[str] = []
     first = packed_dataset(corpus, cfg, log=lines.append)
     assert "tokenised and packed" in lines[0] and first.num_samples > 100
-    assert first.files[0] == "chunk-000000.parquet" and len(first.files) == -(-first.num_samples // 16)
+    assert first.files[0] == "chunk-000000.parquet"
+    assert len(first.files) == -(-first.num_samples // 16)
     second = packed_dataset(corpus, cfg, log=lines.append)
     assert lines[1].startswith("data: reusing packed dataset") and "no tokenisation" in lines[1]
     assert second == first

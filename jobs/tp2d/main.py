@@ -42,7 +42,8 @@ PROFILES = {
 
 def train_loop_per_worker(config: dict) -> None:
     cfg: TP2DConfig = config["cfg"]
-    # Each rank reads 1/tp of its dp rank's micro-batch (TP peers: one dp slice); see TPGroupSession.
+    # Each rank reads 1/tp of its dp rank's micro-batch, then TP peers all-gather it
+    # (TPGroupSession): the unit of the data order is the dp rank.
     session = RaySession(cfg, config["packed"], batch_size=cfg.micro_batch_size // cfg.tp)
     mesh = device_mesh_2d(session.device, cfg.dp, cfg.tp)
     table = placement(mesh, ray.get_runtime_context().get_node_id()[:12])

@@ -127,7 +127,8 @@ def write_packed(source: TextSource, seq_len: int, max_samples: int, chunk_rows:
         remote = storage.is_remote(final)
         if remote and storage.exists(final):  # a killed earlier pass left chunks, no manifest
             storage.remove(final)
-        with (storage.atomic_directory(final) if not remote else contextlib.nullcontext(final)) as out:
+        publish = contextlib.nullcontext(final) if remote else storage.atomic_directory(final)
+        with publish as out:
             files, sizes, count = [], [], 0
             fs, inner = storage.filesystem(out)
             fs.create_dir(inner, recursive=True)
@@ -144,8 +145,8 @@ def write_packed(source: TextSource, seq_len: int, max_samples: int, chunk_rows:
             manifest = {"key": key, "num_samples": count, "seq_len": seq_len,
                         "chunk_rows": chunk_rows, "source": source.dataset,
                         "tokenizer": source.tokenizer, "written_at": time.time(),
-                        "files": [{"name": n, "bytes": s} for n, s in zip(files, sizes,
-                                                                          strict=True)]}  # fmt: skip
+                        "files": [{"name": n, "bytes": s}
+                                  for n, s in zip(files, sizes, strict=True)]}  # fmt: skip
             storage.write_text(storage.join(out, MANIFEST), json.dumps(manifest, indent=1))
     finally:
         context.execution_options.preserve_order = keep_order

@@ -55,7 +55,8 @@ def encode_consumed(sample_ids: np.ndarray, num_samples: int) -> dict:
     for start, end in ranges.tolist():
         bitmap[start:end] = True
     as_bitmap = zlib.compress(np.packbits(bitmap).tobytes(), 9)
-    kind, data = ("ranges", as_ranges) if len(as_ranges) <= len(as_bitmap) else ("bitmap", as_bitmap)
+    smaller = len(as_ranges) <= len(as_bitmap)
+    kind, data = ("ranges", as_ranges) if smaller else ("bitmap", as_bitmap)
     return {"num_samples": num_samples, "count": int(sum(e - s for s, e in ranges.tolist())),
             "encoding": kind, "data": base64.b64encode(data).decode("ascii")}  # fmt: skip
 

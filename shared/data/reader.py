@@ -110,7 +110,9 @@ class EpochReader:
     def order(self, epoch: int) -> np.ndarray:
         return epoch_order(self.seed, epoch, self.num_samples, self.chunk_rows)
 
-    def micro_batches(self, epoch: int, start: int) -> Iterator[tuple[int, np.ndarray, torch.Tensor]]:
+    def micro_batches(
+        self, epoch: int, start: int
+    ) -> Iterator[tuple[int, np.ndarray, torch.Tensor]]:
         """(first position, sample ids, input_ids) from position ``start`` to the epoch's end."""
         order = self.order(epoch)
         end = usable_samples(self.num_samples, self.global_batch)
