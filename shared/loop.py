@@ -104,6 +104,8 @@ def save_and_report(
     """Every rank writes its part of the checkpoint, then all report it together."""
     state.world_size = session.world_size
     state.global_batch_size = cfg.global_batch_size
+    if hasattr(session, "data_position"):  # which samples of the epoch are trained on
+        state.data_position = session.data_position(state.epoch, state.samples_in_epoch)
 
     def write(directory: str) -> None:
         strategy.save(directory, session.rank)
@@ -429,4 +431,6 @@ def run_summary(
         "dtype": DTYPE_NAMES[strategy.dtype],
         "model_state_bytes_per_rank": strategy.measured_state_bytes,
         **peak_memory_bytes(session.device),
+        # Rows read / rows trained, all ranks (a collective: every rank gets here together).
+        **(session.data_summary() if hasattr(session, "data_summary") else {}),
     }

@@ -27,6 +27,7 @@ INVALIDATING = {
     "text_column": "the data position counts samples of that column",
     "max_samples": "the data position counts samples of that subset",
     "seq_len": "the data position counts sequences of that length",
+    "pack_chunk_rows": "the epoch's sample order (the data position) depends on it",
     "dtype": "the checkpoint's weights and optimizer state were trained in it",
     "zero_stage": "DeepSpeed's checkpoint layout depends on it",
     "lr": "the checkpoint's scheduler keeps the old peak learning rate, so it would not apply",
