@@ -92,6 +92,8 @@ def export_checkpoint(checkpoint: str, dest: str, model: str, tokenizer: str,
 
 
 def run_settings(run_dir: str) -> dict:
+    if not storage.exists(run_dir):
+        raise ExportError(f"run directory {run_dir} does not exist")
     path = storage.join(run_dir, SETTINGS_FILE)
     if not storage.exists(path):
         raise ExportError(f"{run_dir} has no {SETTINGS_FILE}: not a run directory of this project")
