@@ -37,8 +37,13 @@ def job_env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
 
 
-def run_job(job: str, *overrides: str, storage: Path, timeout: float = 600) -> JobResult:
-    """``python jobs/<job>/main.py --profile smoke storage_path=... <overrides>``."""
+def run_job(
+    job: str, *overrides: str, storage: Path, timeout: float = 600, interleaved: bool = False
+) -> JobResult:
+    """``python jobs/<job>/main.py --profile smoke storage_path=... <overrides>``.
+
+    ``interleaved``: stderr goes into stdout in the order it was written, as on a terminal
+    (for tests that check what a user sees, line by line)."""
     cmd = [
         sys.executable,
         str(REPO / "jobs" / job / "main.py"),
@@ -46,12 +51,15 @@ def run_job(job: str, *overrides: str, storage: Path, timeout: float = 600) -> J
         *overrides,
     ]
     env = job_env()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    stderr = subprocess.STDOUT if interleaved else subprocess.PIPE
+    proc = subprocess.run(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=timeout, env=env
+    )
     summary = None
     for line in proc.stdout.splitlines():
         if line.startswith("SUMMARY "):
             summary = json.loads(line[len("SUMMARY ") :])
-    return JobResult(proc.returncode, proc.stdout, proc.stderr, summary)
+    return JobResult(proc.returncode, proc.stdout, proc.stderr or "", summary)
 
 
 def tiny_corpus_blocks(directory: str, rows: int, seq_len: int):

@@ -178,7 +178,7 @@ def _timeout_rank(rank, port, flag, result_file):
     if rank == 1:  # the "hung" peer: never joins the all-reduce
         while not os.path.exists(flag):
             time.sleep(0.1)
-        return
+        os._exit(0)
     start = time.monotonic()
     try:
         dist.all_reduce(torch.ones(1))
@@ -189,6 +189,20 @@ def _timeout_rank(rank, port, flag, result_file):
         open(flag, "w").close()
     with open(result_file, "w") as f:
         f.write(outcome)
+    # A timed-out gloo group cannot be torn down cleanly: its destructor may find a joinable
+    # worker thread and abort() (SIGABRT under load). A real run exits after such an error too.
+    os._exit(0)
+
+
+def test_a_hung_collective_fails_after_the_timeout(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = tmp_path / "result.txt"
+    mp.spawn(_timeout_rank, args=(port, str(tmp_path / "flag"), str(result)), nprocs=2)
+    seconds, message = result.read_text().split("s ", 1)
+    assert "Timed out" in message or "timeout" in message.lower(), message
+    assert 1.5 <= float(seconds) < 30, seconds
 
 
 def test_the_progress_line_and_summary_use_the_same_definitions():
