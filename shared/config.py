@@ -126,6 +126,12 @@ class TrainConfig(BaseConfig):
     # --- model ---------------------------------------------------------------------------
     model: str = setting("gpt2-tiny", "Model preset (see shared/models.py).")
     pretrained: str = setting("", "Hub name or path to load weights from; empty = random init.")
+    init_from: str = setting(
+        "", "ddp/fsdp/zero: start a new run from another run, checkpoint or HF export "
+        "(shared/init_from.py)."
+    )
+    # The checkpoint (or export) init_from resolved to on the driver: workers load exactly it.
+    init_checkpoint: str = field(default="", metadata={"internal": True})
 
     # --- data ----------------------------------------------------------------------------
     dataset: str = setting("", "Parquet file/dir (local, s3://, hf://); empty = generated.")

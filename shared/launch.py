@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shared import preemption, resume, storage
+from shared import init_from, preemption, resume, storage
 from shared.cluster import ClusterInfo, check_local_resources, ray_cluster, train_worker_nodes
 from shared.config import ConfigError, user_fields
 from shared.data import global_order_batches, skip_consumed
@@ -207,6 +207,7 @@ def start_gpt2_worker(config: dict):
     model = build_gpt2(
         cfg.model, config["vocab_size"], cfg.seq_len, cfg.pretrained, config["eos_token_id"]
     )
+    init_from.load_weights(cfg, session, model)  # a fresh run with init_from: its weights
     return cfg, session, model
 
 
@@ -363,7 +364,10 @@ def train_on_text(
         check_text_dataset(source)  # format, schema, text column, rows: before any cluster
         sources.append(source)
 
-    with job_run(cfg, run, preflight=[resolve_and_check_data]) as run:
+    def check_init_from() -> None:  # what it points to, and that the weights fit the model
+        init_from.check(cfg, **tokenizer_spec(sources[0].tokenizer))
+
+    with job_run(cfg, run, preflight=[resolve_and_check_data, check_init_from]) as run:
         source = sources[0]
         trainer = TorchTrainer(
             train_loop_per_worker,

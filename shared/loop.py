@@ -24,7 +24,16 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from shared import checkpoint, evaluation, generation, optim, preemption, resume, storage
+from shared import (
+    checkpoint,
+    evaluation,
+    generation,
+    init_from,
+    optim,
+    preemption,
+    resume,
+    storage,
+)
 from shared.checkpoint import TrainState
 from shared.metrics import (
     DIVERGENCE_FILE,
@@ -78,8 +87,8 @@ def global_mean(value: torch.Tensor) -> float:
 def restore(cfg, strategy: Strategy, session: Session) -> tuple[TrainState, int | None]:
     """Load the latest checkpoint if the session has one; return (state, step resumed from)."""
     with session.latest_checkpoint() as directory:
-        if directory is None:
-            return TrainState(world_size=session.world_size), None
+        if directory is None:  # a fresh run: step 0, or where init_from's source left off
+            return init_from.start_state(cfg, strategy, session), None
         strategy.load(directory)
         state = checkpoint.load_train_state(directory, session.rank)
     # The checkpoint's scheduler aims at the max_steps it was trained with; a longer (or
