@@ -32,6 +32,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -152,7 +153,9 @@ def check(cfg, vocab_size: int, eos_token_id: int | None) -> None:
               "them", flush=True)  # fmt: skip
         return
     source = resolve(cfg.init_from)
-    with open_source(source) as local:
+    with open_source(source) as local, warnings.catch_warnings():
+        # DCP warns that it reads in one process without a process group: that is the intent.
+        warnings.filterwarnings("ignore", message=r".*assuming the intent is to load")
         state = source_state_dict(source, local)
     _check_fits(cfg, source, state, _expected_shapes(cfg, vocab_size, eos_token_id))
     cfg.init_checkpoint = source.path
@@ -175,8 +178,9 @@ def _expected_shapes(cfg, vocab_size: int, eos_token_id: int | None) -> dict[str
 def _check_fits(cfg, source: Source, state: dict, expected: dict[str, tuple]) -> None:
     where = f"init_from {source.path}"
     if "transformer.wte.weight" not in state:
-        sample = ", ".join(sorted(state)[:2])
-        raise ConfigError(f"{where} holds another model's weights ({sample}, ...), not GPT-2's: "
+        found = ("tok_embeddings.weight: tp2d's Llama" if "tok_embeddings.weight" in state
+                 else ", ".join(sorted(state)[:2]) + ", ...")  # fmt: skip
+        raise ConfigError(f"{where} holds another model's weights ({found}), not GPT-2's: "
                           f"this run trains {cfg.model}.")  # fmt: skip
     for name, shape in expected.items():
         if name == "lm_head.weight" and name not in state:
