@@ -4,8 +4,11 @@ the unit and end-to-end tests. Each returns the contents, so tests assert on num
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from pathlib import Path
+
+import pytest
 
 from shared.profiling import STEP_RANGES
 
@@ -47,3 +50,12 @@ def png_shape(path: Path) -> tuple[int, ...]:
 
     assert Path(path).read_bytes()[:8] == PNG_MAGIC, f"{path} is not a PNG"
     return matplotlib.image.imread(str(path)).shape
+
+
+def assert_held_out_loss_fell(summary: dict) -> None:
+    """Issue 17's acceptance for a smoke run: SUMMARY carries the held-out loss and
+    perplexity, and the last evaluation is below the first (eval_every=10 in the smoke
+    profiles, so a run of more than 10 steps evaluates at least twice)."""
+    assert {"eval_loss", "eval_ppl", "first_eval_loss"} <= set(summary), sorted(summary)
+    assert summary["eval_ppl"] == pytest.approx(math.exp(summary["eval_loss"]), rel=1e-9)
+    assert summary["eval_loss"] < summary["first_eval_loss"], summary

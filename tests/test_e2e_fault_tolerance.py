@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, run_job
+from observability_checks import assert_held_out_loss_fell
 
 pytestmark = pytest.mark.e2e
 
@@ -74,6 +75,7 @@ def reference(storage) -> dict:
         run_job("fault_tolerance", *COMMON, "fail_at_step=0", "run_name=ref", storage=storage)
     )
     assert summary["failures_recovered"] == 0
+    assert_held_out_loss_fell(summary)  # evaluations at steps 10 and 12
     return summary
 
 

@@ -11,7 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, run_job
-from observability_checks import assert_trace_has_step_ranges, png_shape, tensorboard_scalars
+from observability_checks import (
+    assert_held_out_loss_fell,
+    assert_trace_has_step_ranges,
+    png_shape,
+    tensorboard_scalars,
+)
 
 from shared.metrics import read_metrics
 
@@ -44,6 +49,7 @@ def test_ddp_smoke_trains_and_checkpoints(ddp_runs):
     assert s["initial_loss"] == pytest.approx(6.24, abs=0.15)
     assert s["final_loss"] < 0.8 * s["initial_loss"]
     assert s["time_to_first_step_s"] > 0 and s["tokens_per_s"] > 0 and s["wall_s"] > 0
+    assert_held_out_loss_fell(s)  # evaluations at steps 10 and 20
     # The checkpoint Ray Train registered: rank 0's model/optimizer, both ranks' RNG, counters.
     ckpt = s["checkpoint"]
     assert os.path.basename(ckpt) == "step_000020"

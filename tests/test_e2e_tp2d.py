@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run_job
-from observability_checks import assert_trace_has_step_ranges
+from observability_checks import assert_held_out_loss_fell, assert_trace_has_step_ranges
 
 pytestmark = pytest.mark.e2e
 
@@ -40,6 +40,7 @@ def test_tp2d_smoke_trains_on_a_2x2_mesh(uninterrupted):
     # ln(512) = 6.24 at random init; 12 steps on the topic-structured corpus reach ~4.6.
     assert s["initial_loss"] == pytest.approx(6.24, abs=0.15)
     assert s["final_loss"] < 0.85 * s["initial_loss"]
+    assert_held_out_loss_fell(s)  # evaluations at steps 10 and 12
     for rank, (dp, tp) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)]):
         assert f"rank {rank}: node " in uninterrupted.stdout
         assert f"(dp={dp}, tp={tp})" in uninterrupted.stdout

@@ -113,7 +113,7 @@ def test_bad_init_from_is_one_sentence_and_exit_2_before_ray_starts(
     assert "Ray dashboard" not in result.output and "SUMMARY" not in result.stdout
 
 
-def _cfg(tmp_path: Path, path: Path, job: str = "ddp") -> TrainConfig:
+def _cfg(tmp_path: Path, path: Path | str, job: str = "ddp") -> TrainConfig:
     cfg = TrainConfig(storage_path=str(tmp_path), run_name="new", init_from=str(path))
     cfg.job = job
     return cfg
@@ -160,3 +160,29 @@ def test_the_fresh_schedule_is_moved_to_the_source_step():
 def test_check_refuses_a_job_without_init_from_support(sources, tmp_path):
     with pytest.raises(ConfigError, match="not by fault_tolerance"):
         init_from.check(_cfg(tmp_path, sources["run"], "fault_tolerance"), SMOKE_VOCAB, EOS)
+
+
+def test_init_from_on_s3_resolves_verifies_and_reads_the_same_weights(sources, s3_prefix,
+                                                                      tmp_path):  # fmt: skip
+    """A run directory in a bucket: the newest checkpoint verifies on object storage, its
+    files come down to a temporary directory, and a half-written copy is refused."""
+    from shared import storage
+
+    remote_run = storage.join(s3_prefix, "ddp", "src")
+    storage.upload_dir(str(sources["run"]), remote_run)
+    cfg = _cfg(tmp_path, remote_run)
+    init_from.check(cfg, vocab_size=SMOKE_VOCAB, eos_token_id=EOS)
+    assert cfg.init_checkpoint == storage.join(remote_run, "step_000008")
+    source = init_from.describe(cfg.init_checkpoint)
+    with init_from.open_source(source) as local:
+        remote_weights = init_from.source_state_dict(source, local)
+    local_source = init_from.describe(str(sources["run"] / "step_000008"))
+    with init_from.open_source(local_source) as local:
+        local_weights = init_from.source_state_dict(local_source, local)
+    assert remote_weights.keys() == local_weights.keys()
+    assert all(torch.equal(remote_weights[k], local_weights[k]) for k in local_weights)
+
+    half = storage.join(s3_prefix, "half", "step_000008")
+    storage.upload_dir(str(sources["no_manifest"]), half)
+    with pytest.raises(ConfigError, match="incomplete or damaged checkpoint .manifest/rank0"):
+        init_from.check(_cfg(tmp_path, half), SMOKE_VOCAB, EOS)
