@@ -127,8 +127,9 @@ class TrainConfig(BaseConfig):
     model: str = setting("gpt2-tiny", "Model preset (see shared/models.py).")
     pretrained: str = setting("", "Hub name or path to load weights from; empty = random init.")
     init_from: str = setting(
-        "", "ddp/fsdp/zero: start a new run from another run, checkpoint or HF export "
-        "(shared/init_from.py)."
+        "",
+        "ddp/fsdp/zero: start a new run from another run, checkpoint or HF export "
+        "(shared/init_from.py).",
     )
     # The checkpoint (or export) init_from resolved to on the driver: workers load exactly it.
     init_checkpoint: str = field(default="", metadata={"internal": True})

@@ -20,7 +20,13 @@ What carries over:
 
 ``init_from`` applies to a fresh run only: a run directory with checkpoints of its own
 resumes from those and ignores it. Bad input (nothing there, another model, a half-written
-checkpoint or export) is one sentence and exit 2 on the driver, before any worker starts.
+checkpoint or export) is one sentence and exit 2 on the driver, before any worker starts: the
+driver verifies the manifests and reads the weights once to compare names and shapes with
+this run's model (built on the meta device), so a GPT-2 124M source costs it ~0.5 GB briefly.
+
+Why a module of its own and not part of shared/export: export writes Hugging Face
+directories; this is the training start (driver preflight in shared/launch.py, weights in
+``start_gpt2_worker``, counters in ``shared.loop.restore``). It reuses export's readers.
 """
 
 from __future__ import annotations
@@ -191,7 +197,8 @@ def _check_fits(cfg, source: Source, state: dict, expected: dict[str, tuple]) ->
         if tuple(state[name].shape) != shape:
             raise ConfigError(
                 f"{where} has {name} of shape {list(state[name].shape)} where this run's "
-                f"{cfg.model} has {list(shape)} (another model preset, tokenizer or seq_len).")
+                f"{cfg.model} has {list(shape)} (another model preset, tokenizer or seq_len)."
+            )
 
 
 # ------------------------------------------------------------------------------------------
@@ -231,8 +238,8 @@ def source_state_dict(source: Source, local: str) -> dict[str, torch.Tensor]:
     for path in files:
         state |= load_file(path)
     # GPT2LMHeadModel saves "transformer.*"; a bare GPT2Model export saves without the prefix.
-    return {(k if k.startswith(("transformer.", "lm_head.")) or not re.match(r"(wte|wpe|h\.|ln_f)", k)
-             else f"transformer.{k}"): v.float() for k, v in state.items()}  # fmt: skip
+    bare = re.compile(r"(wte|wpe|h\.\d+|ln_f)\.")
+    return {(f"transformer.{k}" if bare.match(k) else k): v.float() for k, v in state.items()}
 
 
 def source_train_state(directory: str, rank: int) -> TrainState:
@@ -310,7 +317,7 @@ def set_schedule_step(scheduler, step: int) -> None:
     scheduler.last_epoch = step
     lrs = []
     for group, base_lr, multiplier in zip(scheduler.optimizer.param_groups, scheduler.base_lrs,
-                                          scheduler.lr_lambdas):  # fmt: skip
+                                          scheduler.lr_lambdas, strict=True):  # fmt: skip
         group["lr"] = base_lr * multiplier(step)
         lrs.append(group["lr"])
     scheduler._last_lr = lrs

@@ -186,3 +186,26 @@ def test_init_from_on_s3_resolves_verifies_and_reads_the_same_weights(sources, s
     storage.upload_dir(str(sources["no_manifest"]), half)
     with pytest.raises(ConfigError, match="incomplete or damaged checkpoint .manifest/rank0"):
         init_from.check(_cfg(tmp_path, half), SMOKE_VOCAB, EOS)
+
+
+def test_an_exported_hf_directory_gives_the_trained_weights_and_starts_at_step_0(sources,
+                                                                               tmp_path):  # fmt: skip
+    """``make export`` output: config.json + model.safetensors (tied LM head left out)."""
+    from shared.export.hf import gpt2_hf_model
+    from shared.export.sources import full_state_dict
+
+    trained = full_state_dict(str(sources["run"] / "step_000008"))
+    export_dir = tmp_path / "export" / "step_000008"
+    gpt2_hf_model(trained, n_head=4, eos_token_id=EOS).save_pretrained(export_dir)
+    cfg = _cfg(tmp_path, export_dir)
+    init_from.check(cfg, vocab_size=SMOKE_VOCAB, eos_token_id=EOS)
+    source = init_from.describe(cfg.init_checkpoint)
+    assert (source.kind, source.step) == ("export", 0)
+    assert not init_from.carries_optimizer(cfg, source)
+    with init_from.open_source(source) as local:
+        weights = init_from.source_state_dict(source, local)
+    model = build_gpt2("gpt2-tiny", SMOKE_VOCAB, 64, eos_token_id=EOS)
+    for name, _ in model.named_parameters():
+        if name in weights:
+            assert torch.equal(weights[name], trained[name]), name
+    assert {n for n, _ in model.named_parameters()} - set(weights) <= {"lm_head.weight"}
