@@ -188,8 +188,7 @@ def test_init_from_on_s3_resolves_verifies_and_reads_the_same_weights(sources, s
         init_from.check(_cfg(tmp_path, half), SMOKE_VOCAB, EOS)
 
 
-def test_an_exported_hf_directory_gives_the_trained_weights_and_starts_at_step_0(sources,
-                                                                               tmp_path):  # fmt: skip
+def test_an_exported_hf_directory_gives_its_weights_and_starts_at_step_0(sources, tmp_path):
     """``make export`` output: config.json + model.safetensors (tied LM head left out)."""
     from shared.export.hf import gpt2_hf_model
     from shared.export.sources import full_state_dict
