@@ -188,6 +188,11 @@ def aggregate(results: list[RunResult], variant: Variant) -> dict | None:
         "model_state_planned": sum(planned.values()),
         "planner_exact": planned == measured,
         "peak_rss": statistics.median(r.summary.get("peak_rss", 0) for r in runs),
+        # Rows read / rows trained, cluster-wide (the torchrun baseline reads from memory).
+        "data_read_amplification": max(
+            (r.summary.get("data_read_amplification") or 0 for r in runs), default=0
+        )
+        or None,
     }
 
 
@@ -227,6 +232,11 @@ def paired_ratios(results: list[RunResult]) -> list[str]:
     return pairs
 
 
+def amplification(value: float | None) -> str:
+    """Worst run's rows read / rows trained; '-' where the data is not read through the layer."""
+    return "-" if value is None else f"{value:.2f}"
+
+
 def ms(seconds: float) -> str:
     return f"{1e3 * seconds:.1f}"
 
@@ -255,8 +265,8 @@ def render_markdown(rows: list[dict], info: dict, bench: Bench, args, chart: str
         "",
         "| strategy | model | workers | runs | tokens/s | step median (ms) | step IQR (ms) | "
         "step min-max (ms) | model state / rank (measured) | planner | peak RSS rank 0 | "
-        "time to first step (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "time to first step (s) | data read amplification |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         planner = "= exact" if r["planner_exact"] else format_size(r["model_state_planned"])
@@ -266,7 +276,8 @@ def render_markdown(rows: list[dict], info: dict, bench: Bench, args, chart: str
             f"{ms(r['step_q1_s'])}-{ms(r['step_q3_s'])} | "
             f"{ms(r['step_min_s'])}-{ms(r['step_max_s'])} | "
             f"{format_size(r['model_state_measured'])} | {planner} | "
-            f"{format_size(r['peak_rss'])} | {r['time_to_first_step_s']:.1f} |"
+            f"{format_size(r['peak_rss'])} | {r['time_to_first_step_s']:.1f} | "
+            f"{amplification(r['data_read_amplification'])} |"
         )
     lines += ["", f"![tokens/s per strategy]({chart})", ""]
     ray_row, torchrun_row = by_label.get("DDP"), by_label.get("DDP (torchrun)")
@@ -297,6 +308,10 @@ def render_markdown(rows: list[dict], info: dict, bench: Bench, args, chart: str
         "grads + optimizer states, + DeepSpeed's fp32 master partition), the tensor bytes each "
         "rank holds. *planner* is `shared.planner`'s prediction for the same configuration "
         "(`= exact` when every byte matches).",
+        "- *data read amplification*: rows the data layer read / rows trained, all ranks "
+        "(`data_read_amplification` in SUMMARY; the worst repeat). 1.00 means every sample "
+        "was read exactly once (the torchrun baseline reads its in-memory tensors through the "
+        "same layer).",
         "- *peak RSS* is rank 0's process high-water mark: on CPU it is dominated by the "
         "Python/torch runtime, so the sharded strategies' savings show in the tensor bytes, "
         "not here (see shared/STACK-FACTS.md in the team notes).",

@@ -57,7 +57,16 @@ def main() -> None:
         model = apply_ddp(model, device)
         strategy = DDPStrategy(model, cfg, device, torch.float32)
         session = TorchrunSession(
-            rank_batches(blocks, cfg.micro_batch_size, rank, world_size),
+            # The jobs' epoch order and global batches, read from memory instead of Ray Data.
+            rank_batches(
+                blocks,
+                cfg.micro_batch_size,
+                rank,
+                world_size,
+                seed=cfg.seed,
+                global_batch=cfg.global_batch_size,
+                chunk_rows=cfg.pack_chunk_rows,
+            ),  # fmt: skip
             os.path.join(cfg.run_dir, "checkpoints"),
             cfg.micro_batch_size,
             rank,

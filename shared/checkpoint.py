@@ -51,6 +51,8 @@ class TrainState:
     global_batch_size: int = 0  # sequences per optimizer step when it was written
     samples_per_epoch: dict[str, int] = dataclasses.field(default_factory=dict)  # finished epochs
     initial_loss: float | None = None  # the run's first step ever (survives resumes)
+    # The epoch's consumed samples as compact id ranges (shared/data/position.py).
+    data_position: dict | None = None
 
     def samples_seen(self) -> dict[str, int]:
         """Sequences trained on per epoch, all ranks together (the current epoch so far)."""

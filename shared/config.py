@@ -143,6 +143,10 @@ class TrainConfig(BaseConfig):
     grad_accum: int = setting(1, "Micro-batches accumulated per optimizer step.")
     max_samples: int = setting(0, "Use only the first N rows of the dataset; 0 = all.")
     smoke_rows: int = setting(2000, "Rows of generated text when no dataset is given.")
+    pack_chunk_rows: int = setting(
+        32, "Packed sequences per cached chunk file: the shuffle window and read granularity."
+    )
+    log_samples: bool = setting(False, "Record every consumed sample id (for verification).")
 
     # --- optimisation --------------------------------------------------------------------
     max_steps: int = setting(30, "Optimizer steps to train for (spans epochs as needed).")
@@ -206,7 +210,7 @@ class TrainConfig(BaseConfig):
         super().validate()
         for name in ("micro_batch_size", "grad_accum", "max_steps", "checkpoint_every"):
             _at_least(self, name, 1)
-        for name in ("log_every", "smoke_rows", "eval_batches"):
+        for name in ("log_every", "smoke_rows", "eval_batches", "pack_chunk_rows"):
             _at_least(self, name, 1)
         for name in ("warmup_steps", "max_samples", "stop_at_step", "eval_every"):
             _at_least(self, name, 0)
@@ -357,7 +361,6 @@ class FaultToleranceConfig(TrainConfig):
     keep_global_batch: bool = setting(
         True, "On a world-size change keep the global batch (adjust grad_accum), else per-worker."
     )
-    log_samples: bool = setting(False, "Record every consumed sample id (for verification).")
     sleep_per_step: float = setting(0.0, "Seconds to sleep per step (to watch or interrupt a run).")
     strategy: str = setting(
         "ddp", "ddp (rank 0 writes model.pt) or fsdp (every rank writes its DCP shards)."

@@ -41,7 +41,7 @@ def eval_due(cfg, step: int) -> bool:
 def _texts_for_validation(cfg, source) -> list[str]:
     import pyarrow.parquet as pq
 
-    from shared.data import _dataset_filesystem, expand_pattern, generate_news_rows
+    from shared.data.source import _dataset_filesystem, expand_pattern, generate_news_rows
 
     if cfg.eval_dataset:
         fs, path = _dataset_filesystem(cfg.eval_dataset)

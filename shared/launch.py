@@ -27,7 +27,8 @@ import torch
 from shared import init_from, preemption, resume, storage
 from shared.cluster import ClusterInfo, check_local_resources, ray_cluster, train_worker_nodes
 from shared.config import ConfigError, user_fields
-from shared.data import global_order_batches, skip_consumed
+from shared.data import EpochReader, PackedDataset, ray_rows
+from shared.data.session import data_position_record, data_read_summary
 from shared.lease import run_lease
 from shared.metrics import DIVERGENCE_FILE, strict_json
 from shared.run_settings import check_resume
@@ -43,6 +44,7 @@ OPTIONAL_SUMMARY_KEYS = (
     "data_wait_fraction", "first_batch_wait_s", "dtype", "model_state_bytes_per_rank",
     "peak_rss", "cuda_peak_allocated", "samples_per_epoch", "diverged_at_step", "divergence",
     "last_good_checkpoint_step", "preempted_at_step", "eval_loss", "eval_ppl", "first_eval_loss",
+    "data_read_amplification", "data_rows_read", "data_rows_trained",
 )  # fmt: skip
 
 
@@ -67,25 +69,40 @@ def quiet_train_worker_logs() -> None:
 
 
 class RaySession:
-    """What the shared loop needs from Ray Train, inside a training worker."""
+    """What the shared loop needs from Ray Train, inside a training worker.
+
+    Data: this rank's slice of each global batch of the epoch's order (shared/data/order.py),
+    read through Ray Data from the packed dataset (shared/data/reader.py), starting after the
+    checkpoint's position. The order does not depend on the world size, so a run resumed on
+    any number of workers trains on exactly the samples not yet trained on.
+    """
 
     uses_ray = True  # the preemption check may ask Ray Train (shared/preemption.py)
 
-    def __init__(self, cfg, dataset_name: str = "train", batch_size: int | None = None):
+    def __init__(self, cfg, packed: PackedDataset, batch_size: int | None = None):
         import ray.train
         import ray.train.torch
 
         quiet_train_worker_logs()
         context = ray.train.get_context()
         self.cfg = cfg
+        self.packed = packed
         self.rank = context.get_world_rank()
         self.world_size = context.get_world_size()
         self.device = ray.train.torch.get_device()
-        self.dataset_name = dataset_name
         self.batch_size = batch_size or cfg.micro_batch_size  # sequences read per batch
         self.samples_per_micro_batch = self.batch_size * self.world_size
         register_process(cfg.run_dir, f"rank{self.rank}")  # for `make stack`
         self._resume_plan: resume.ResumePlan | None = None
+        self._reader: EpochReader | None = None
+        self._stats: list[str] = []
+        self.attempt = _attempt_id(self.rank)  # same id on every rank of this worker group
+        self.sample_log = None
+        if getattr(cfg, "log_samples", False):  # flushed at every report, with the checkpoint
+            self.sample_log = storage.AppendLog(
+                storage.join(cfg.run_dir, "samples", f"{self.attempt}-rank{self.rank}.jsonl"),
+                flush_every_s=float("inf"),
+            )
 
     @contextlib.contextmanager
     def latest_checkpoint(self) -> Iterator[str | None]:
@@ -107,35 +124,45 @@ class RaySession:
         """Read ``batch_size`` sequences per micro-batch (elastic: chosen per world size)."""
         self.batch_size = batch_size
         self.samples_per_micro_batch = batch_size * self.world_size
+        self._reader = None
 
-    def shard_batches(self) -> Iterator[torch.Tensor]:
-        """One pass over this rank's streaming shard, ``batch_size`` sequences at a time.
+    @property
+    def reader(self) -> EpochReader:
+        if self._reader is None:
+            self._reader = EpochReader(
+                ray_rows(self.packed, self._stats), self.packed.num_samples,
+                self.packed.chunk_rows, self.cfg.seed, reader=self.rank,
+                readers=self.world_size, batch=self.batch_size,
+                global_batch=self.cfg.global_batch_size,
+            )  # fmt: skip
+        return self._reader
 
-        ``drop_last`` plus Ray Train's equal split give every rank the same number of
-        batches, which DDP needs (a rank with one batch more would wait forever)."""
-        import ray.train
+    def data_stats(self) -> str | None:
+        """Ray Data's execution stats of this rank's last epoch read."""
+        return self._stats[0] if self._stats else None
 
-        shard = ray.train.get_dataset_shard(self.dataset_name)
-        # Ray Data copies to the device in its prefetch thread, overlapped with compute; the
-        # loop's host_to_device range is then a no-op (it shows the copy for torchrun sessions).
-        for batch in shard.iter_torch_batches(
-            batch_size=self.batch_size, drop_last=True, dtypes=torch.long, device=self.device
-        ):
-            yield batch["input_ids"]
+    def epoch_batches(
+        self, epoch: int, start_sample: int, end_sample: int | None = None
+    ) -> Iterator[torch.Tensor]:
+        for position, ids, batch in self.reader.micro_batches(epoch, start_sample, end_sample):
+            if self.sample_log:
+                self.sample_log.append(json.dumps({"attempt": self.attempt, "epoch": epoch,
+                                                   "position": position,
+                                                   "ids": ids.tolist()}) + "\n")  # fmt: skip
+            yield batch
 
-    def data_stats(self) -> str:
-        """Ray Data's execution stats for the training dataset (every operator's time, rows
-        and memory) plus this rank's iterator stats (how long it was blocked waiting)."""
-        import ray.train
+    def data_position(self, epoch: int, samples_in_epoch: int) -> dict:
+        """The checkpoint's record of the epoch's consumed samples (shared/data/position.py)."""
+        return data_position_record(self.reader, self.packed, epoch, samples_in_epoch)
 
-        return ray.train.get_dataset_shard(self.dataset_name).stats()
-
-    def epoch_batches(self, epoch: int, start_sample: int) -> Iterator[torch.Tensor]:
-        return skip_consumed(self.shard_batches(), start_sample, self.samples_per_micro_batch)
+    def data_summary(self) -> dict:
+        return data_read_summary(self.reader, self.device)
 
     def report(self, metrics: dict, checkpoint_dir: str | None = None) -> None:
         import ray.train
 
+        if self.sample_log:
+            self.sample_log.flush()
         if checkpoint_dir is None:
             ray.train.report(metrics)
             return
@@ -145,45 +172,6 @@ class RaySession:
             checkpoint_dir_name=os.path.basename(checkpoint_dir),
             delete_local_checkpoint_after_upload=True,
         )
-
-
-class GlobalOrderSession(RaySession):
-    """Exactly-once data across failures and world-size changes.
-
-    Needs the dataset *unsplit* (``DataConfig(datasets_to_split=[])``): every rank reads the
-    whole epoch in the same fixed order and trains on every world-th micro-batch after the
-    saved position (:func:`shared.data.global_order_batches`). The position is a count of
-    samples, so a checkpoint written by N ranks resumes on M at exactly the next sample.
-    Costs every rank a full read of the epoch; fine for templates, for huge datasets prefer
-    a deterministic split that Ray Data can resume.
-    """
-
-    def __init__(self, cfg, log_samples: bool = False):
-        super().__init__(cfg)
-        self.attempt = _attempt_id(self.rank)  # same id on every rank of this worker group
-        self.sample_log = None
-        if log_samples:  # flushed at every report: what a resume keeps is always on storage
-            self.sample_log = storage.AppendLog(
-                storage.join(cfg.run_dir, "samples", f"{self.attempt}-rank{self.rank}.jsonl"),
-                flush_every_s=float("inf"),
-            )
-
-    def epoch_batches(self, epoch: int, start_sample: int) -> Iterator[torch.Tensor]:
-        start_batch = start_sample // self.batch_size
-        ordered = global_order_batches(
-            self.shard_batches(), start_batch, self.rank, self.world_size
-        )
-        for index, batch in ordered:
-            if self.sample_log:
-                self.sample_log.append(
-                    json.dumps({"attempt": self.attempt, "epoch": epoch, "batch": index}) + "\n"
-                )
-            yield batch
-
-    def report(self, metrics: dict, checkpoint_dir: str | None = None) -> None:
-        if self.sample_log:
-            self.sample_log.flush()
-        super().report(metrics, checkpoint_dir)
 
 
 def _attempt_id(rank: int) -> int:
@@ -202,7 +190,7 @@ def start_gpt2_worker(config: dict):
     from shared.models import build_gpt2
 
     cfg = config["cfg"]
-    session = RaySession(cfg)
+    session = RaySession(cfg, config["packed"])
     seed_everything(cfg.seed)
     model = build_gpt2(
         cfg.model, config["vocab_size"], cfg.seq_len, cfg.pretrained, config["eos_token_id"]
@@ -346,13 +334,19 @@ def summarize(run: JobRun, wall_s: float, error: BaseException | None) -> dict:
 def train_on_text(
     cfg, train_loop_per_worker, dataset_config=None, run: JobRun | None = None
 ) -> None:
-    """The driver of every text-training job: data source -> lazy Ray Data pipeline ->
-    ``TorchTrainer(...).fit()`` on ``num_workers`` workers -> SUMMARY."""
+    """The driver of every text-training job: data source -> packed dataset (tokenised once,
+    cached on storage) -> ``TorchTrainer(...).fit()`` on ``num_workers`` workers -> SUMMARY.
+
+    Each worker reads its slice of every global batch from the packed dataset through Ray Data
+    (RaySession); ``train_loop_config["packed"]`` tells it where the dataset is."""
     from ray.train.torch import TorchTrainer
 
     from shared.data import (
-        build_text_dataset,
+        check_enough_samples,
+        check_packed,
         check_text_dataset,
+        find_packed,
+        packed_dataset,
         resolve_text_source,
         tokenizer_spec,
     )
@@ -362,6 +356,10 @@ def train_on_text(
     def resolve_and_check_data() -> None:
         source = resolve_text_source(cfg)  # smoke: writes the corpus + tokenizer once
         check_text_dataset(source)  # format, schema, text column, rows: before any cluster
+        _, packed = find_packed(source, cfg)
+        if packed is not None:  # cached: its size and files are known before any cluster
+            check_packed(packed)
+            check_enough_samples(packed, cfg.global_batch_size)
         sources.append(source)
 
     def check_init_from() -> None:  # what it points to, and that the weights fit the model
@@ -369,14 +367,14 @@ def train_on_text(
 
     with job_run(cfg, run, preflight=[resolve_and_check_data, check_init_from]) as run:
         source = sources[0]
+        packed = packed_dataset(source, cfg, log=lambda line: print(line, flush=True))
+        check_enough_samples(packed, cfg.global_batch_size)  # before the worker group
         trainer = TorchTrainer(
             train_loop_per_worker,
-            train_loop_config={"cfg": cfg, **tokenizer_spec(source.tokenizer)},
+            train_loop_config={"cfg": cfg, "packed": packed, **tokenizer_spec(source.tokenizer)},
             scaling_config=scaling_config(cfg),
             run_config=run_config(cfg),
             torch_config=torch_config(cfg),
-            # Lazy: read -> tokenise -> pack streams into the workers' shards while they train.
-            datasets={"train": build_text_dataset(source, cfg.seq_len, cfg.max_samples)},
             **({"dataset_config": dataset_config} if dataset_config is not None else {}),
         )
         run.result = trainer.fit()
@@ -464,7 +462,7 @@ def job_run(cfg, run: JobRun | None = None, preflight=()) -> Iterator[JobRun]:
         diverged = divergence_of_this_run(cfg)
         if diverged is not None:
             raise TrainingDiverged(diverged)
-    except TrainingDiverged as err:
+    except (TrainingDiverged, ConfigError) as err:
         error = err  # one line below says it all
     except Exception as err:  # noqa: BLE001 - the run contract reports every failure
         error = err
@@ -483,6 +481,6 @@ def job_run(cfg, run: JobRun | None = None, preflight=()) -> Iterator[JobRun]:
     sys.stderr.flush()
     print(f"SUMMARY {strict_json(summary)}", flush=True)  # the last line, also after an error
     if error:
-        raise SystemExit(1)
+        raise SystemExit(2 if isinstance(error, ConfigError) else 1)
     if summary["status"] == "preempted":
         raise SystemExit(preemption.EXIT_PREEMPTED)

@@ -64,9 +64,12 @@ class Session(Protocol):
     # Sequences all ranks together consume per micro-step (the data position's unit).
     samples_per_micro_batch: int
 
-    def epoch_batches(self, epoch: int, start_sample: int) -> Iterable[torch.Tensor]:
+    def epoch_batches(
+        self, epoch: int, start_sample: int, end_sample: int | None = None
+    ) -> Iterable[torch.Tensor]:
         """This rank's micro-batches of ``epoch``, resuming after ``start_sample`` sequences
-        the run already trained on."""
+        the run already trained on, up to ``end_sample`` (the run's last step) or the epoch's
+        end: nothing past the last step is read."""
         ...
 
     def report(self, metrics: dict, checkpoint_dir: str | None = None) -> None: ...
@@ -113,6 +116,8 @@ def save_and_report(
     """Every rank writes its part of the checkpoint, then all report it together."""
     state.world_size = session.world_size
     state.global_batch_size = cfg.global_batch_size
+    if hasattr(session, "data_position"):  # which samples of the epoch are trained on
+        state.data_position = session.data_position(state.epoch, state.samples_in_epoch)
 
     def write(directory: str) -> None:
         strategy.save(directory, session.rank)
@@ -337,7 +342,11 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
     evaluator = evaluation.Evaluator.for_run(cfg, session)  # None with eval_every=0
     preemption.training(True)
     while state.step < cfg.last_step and not preempted:
-        batches = iter(session.epoch_batches(state.epoch, state.samples_in_epoch))
+        # Read no further than this launch's last step: a run that stops mid-epoch (max_steps,
+        # stop_at_step) reads each row it trains on once and nothing else.
+        steps_left = cfg.last_step - state.step
+        end_sample = state.samples_in_epoch + steps_left * cfg.global_batch_size
+        batches = iter(session.epoch_batches(state.epoch, state.samples_in_epoch, end_sample))
         seen_in_epoch = state.samples_in_epoch
         while state.step < cfg.last_step:
             if micro == 0:
@@ -444,4 +453,6 @@ def run_summary(
         "dtype": DTYPE_NAMES[strategy.dtype],
         "model_state_bytes_per_rank": strategy.measured_state_bytes,
         **peak_memory_bytes(session.device),
+        # Rows read / rows trained, all ranks (a collective: every rank gets here together).
+        **(session.data_summary() if hasattr(session, "data_summary") else {}),
     }

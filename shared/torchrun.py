@@ -11,13 +11,14 @@ import contextlib
 import datetime
 import os
 import shutil
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
 from shared import resume
-from shared.data import skip_consumed, tokenize_and_pack
+from shared.data import EpochReader, memory_rows, tokenize_and_pack
+from shared.data.session import data_position_record, data_read_summary
 
 
 def init_distributed(collective_timeout_s: float = 1800.0) -> tuple[int, int, torch.device]:
@@ -51,34 +52,36 @@ def packed_blocks(dataset: str, tokenizer, text_column: str, seq_len: int) -> to
 
 
 def rank_batches(
-    blocks: torch.Tensor, micro: int, rank: int = 0, world_size: int = 1
-) -> Callable[[int], Iterator[torch.Tensor]]:
-    """``epoch -> this rank's micro-batches``: a fixed order, rank r takes every world-th
-    micro-batch, and every rank gets the same count (DDP needs equal step counts)."""
-
-    def epoch_batches(epoch: int) -> Iterator[torch.Tensor]:
-        usable = len(blocks) // (micro * world_size) * micro * world_size
-        for i, start in enumerate(range(0, usable, micro)):
-            if i % world_size == rank:
-                yield blocks[start : start + micro]
-
-    return epoch_batches
+    blocks: torch.Tensor,
+    micro: int,
+    rank: int = 0,
+    world_size: int = 1,
+    seed: int = 0,
+    global_batch: int | None = None,
+    chunk_rows: int = 32,
+) -> EpochReader:
+    """This rank's micro-batches of in-memory blocks (sample_id = row index) through the same
+    data layer as the jobs: the epoch order from (seed, epoch), this rank's slice of each
+    global batch (``global_batch`` defaults to ``micro * world_size``)."""
+    return EpochReader(memory_rows(blocks, chunk_rows), len(blocks), chunk_rows, seed,
+                       reader=rank, readers=world_size, batch=micro,
+                       global_batch=global_batch or micro * world_size)  # fmt: skip
 
 
 class TorchrunSession:
-    """Batches from a callable (``epoch -> micro-batches of batch_size``), checkpoints in a
-    local directory, metrics kept in memory."""
+    """Batches from an :class:`~shared.data.EpochReader` (see :func:`rank_batches`),
+    checkpoints in a local directory, metrics kept in memory."""
 
     def __init__(
         self,
-        epoch_batches: Callable[[int], Iterable[torch.Tensor]],
+        reader: EpochReader,
         checkpoint_root: str,
         batch_size: int,
         rank: int = 0,
         world_size: int = 1,
         device: torch.device | None = None,
     ):
-        self._epoch_batches = epoch_batches
+        self.reader = reader
         self.checkpoint_root = checkpoint_root
         self.rank = rank
         self.world_size = world_size
@@ -86,8 +89,17 @@ class TorchrunSession:
         self.reports: list[dict] = []
         self.samples_per_micro_batch = batch_size * world_size
 
-    def epoch_batches(self, epoch: int, start_sample: int) -> Iterable[torch.Tensor]:
-        return skip_consumed(self._epoch_batches(epoch), start_sample, self.samples_per_micro_batch)
+    def epoch_batches(
+        self, epoch: int, start_sample: int, end_sample: int | None = None
+    ) -> Iterator[torch.Tensor]:
+        for _, _, batch in self.reader.micro_batches(epoch, start_sample, end_sample):
+            yield batch
+
+    def data_position(self, epoch: int, samples_in_epoch: int) -> dict:
+        return data_position_record(self.reader, None, epoch, samples_in_epoch)
+
+    def data_summary(self) -> dict:
+        return data_read_summary(self.reader, self.device)
 
     def checkpoints(self) -> list[str]:
         if not os.path.isdir(self.checkpoint_root):

@@ -106,16 +106,3 @@ def test_blank_rows_add_no_tokens(corpus):
     with_blanks = tokenize_and_pack({"text": texts}, corpus.tokenizer, "text", 4)
     without = tokenize_and_pack({"text": texts[[0, 3]]}, corpus.tokenizer, "text", 4)
     np.testing.assert_array_equal(with_blanks["input_ids"], without["input_ids"])
-
-
-def test_global_order_deals_the_rest_of_an_epoch_to_any_world_size():
-    from shared.data import global_order_batches
-
-    stream = [f"b{i}" for i in range(23)]
-    # 2 ranks train 3 rounds (batches 0-5), then the run restarts with 3 ranks from batch 6.
-    before = [list(global_order_batches(stream, 0, r, 2))[:3] for r in range(2)]
-    after = [list(global_order_batches(stream, 6, r, 3)) for r in range(3)]
-    assert [len(a) for a in after] == [5, 5, 5]  # equal steps; the incomplete last round is dropped
-    seen = [i for rank in before + after for i, _ in rank]
-    assert sorted(seen) == list(range(21)) and len(seen) == len(set(seen))
-    assert after[1][0] == (7, "b7")  # round-robin from the saved position

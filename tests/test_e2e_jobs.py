@@ -50,6 +50,8 @@ def test_ddp_smoke_trains_and_checkpoints(ddp_runs):
     assert s["final_loss"] < 0.8 * s["initial_loss"]
     assert s["time_to_first_step_s"] > 0 and s["tokens_per_s"] > 0 and s["wall_s"] > 0
     assert_held_out_loss_fell(s)  # evaluations at steps 10 and 20
+    # Each row of the packed dataset read once, across the epoch boundary (issue 14).
+    assert s["data_rows_trained"] == 20 * 32 and s["data_read_amplification"] <= 1.05
     # The checkpoint Ray Train registered: rank 0's model/optimizer, both ranks' RNG, counters.
     ckpt = s["checkpoint"]
     assert os.path.basename(ckpt) == "step_000020"
@@ -73,6 +75,11 @@ def test_ddp_resume_starts_at_the_saved_step(ddp_runs):
     s = second.summary
     assert s["resumed_from_step"] == 20 and s["steps"] == 30 and s["steps_this_run"] == 10
     assert "resumed from checkpoint at step 20" in second.stdout
+    # Tokenised once: the second start reuses the first's packed dataset, and reads only the
+    # rows of its 10 steps.
+    assert "data: reusing packed dataset" in second.stdout
+    assert "no tokenisation" in second.stdout
+    assert s["data_rows_trained"] == 10 * 32 and s["data_read_amplification"] <= 1.05
     assert (
         "resuming ddp/resume with changed settings: max_steps 20 -> 30, profile_steps '3-5' -> ''\n"
         in second.stdout

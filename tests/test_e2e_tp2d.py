@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import run_job
 from observability_checks import assert_held_out_loss_fell, assert_trace_has_step_ranges
+from sample_log import committed_samples
 
 pytestmark = pytest.mark.e2e
 
@@ -31,7 +32,8 @@ def storage(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def uninterrupted(storage):
-    return run_job("tp2d", *STEPS, "run_name=full", "profile_steps=3-5", storage=storage)
+    return run_job("tp2d", *STEPS, "run_name=full", "profile_steps=3-5", "log_samples=true",
+                   storage=storage)  # fmt: skip
 
 
 def test_tp2d_smoke_trains_on_a_2x2_mesh(uninterrupted):
@@ -79,6 +81,27 @@ def test_tp2d_resumes_from_its_dcp_checkpoint_on_the_same_trajectory(uninterrupt
     assert [resumed[s] for s in range(7, 13)] == pytest.approx(
         [full[s] for s in range(7, 13)], rel=1e-6
     )
+
+
+def test_tp2d_resumes_on_half_the_dp_ranks_with_exactly_the_remaining_samples(
+    uninterrupted, storage
+):
+    """The data unit is the dp rank: dp=2 x tp=2 stops mid-epoch, dp=1 x tp=2 (accumulating
+    2 micro-batches, the same global batch of 16) trains exactly the samples left."""
+    full = ok(uninterrupted)
+    ok(run_job("tp2d", *STEPS, "run_name=shrink", "stop_at_step=6", "log_samples=true",
+               storage=storage))  # fmt: skip
+    half = ok(run_job("tp2d", *STEPS, "run_name=shrink", "dp=1", "num_workers=2",
+                      "grad_accum=2", "log_samples=true", storage=storage))  # fmt: skip
+    assert half["world_size"] == 2 and half["resumed_from_step"] == 6 and half["steps"] == 12
+    committed = committed_samples(half["run_dir"])
+    # TP peers read halves of their dp rank's micro-batch (then all-gather): each id once.
+    assert all(set(c.values()) == {1} for c in committed.values())
+    assert committed == committed_samples(full["run_dir"])
+    assert sum(len(c) for c in committed.values()) == 12 * 16
+    assert half["data_read_amplification"] <= 1.05
+    # The same samples per step, summed in another order: equal up to fp32 rounding.
+    assert losses(half)[12] == pytest.approx(losses(full)[12], rel=1e-4)
 
 
 def test_invalid_mesh_fails_before_ray_starts(tmp_path):

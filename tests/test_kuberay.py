@@ -215,7 +215,8 @@ def test_configmap_carries_only_the_jobs_import_closure(rendered):
     assert paths == expected
     assert not {p for p in paths if not p.endswith(".py")}  # no README, Containerfile
     size = sum(len(k) + len(v.encode()) for k, v in configmap["data"].items())
-    assert size < kuberay.CONFIGMAP_LIMIT / 4  # far below the 1 MiB limit
+    # Under half the 1 MiB limit: room for the user's own modules when they copy a job.
+    assert size < kuberay.CONFIGMAP_LIMIT / 2
     if job == "env_check":
         assert "shared/loop.py" not in paths  # env_check never imports the training loop
 

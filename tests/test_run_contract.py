@@ -97,6 +97,19 @@ def test_a_world_size_change_that_keeps_the_global_batch_is_allowed(tmp_path):
     ]
 
 
+def test_a_zero_run_resumes_only_at_its_own_world_size(tmp_path):
+    """DeepSpeed cannot load a ZeRO checkpoint on another number of ranks: refused up front,
+    naming init_from as the way to continue on another world size."""
+    from shared.config import ZeroConfig
+
+    first = start(tmp_path, cls=ZeroConfig)
+    check_resume(first)
+    checkpointed(first)
+    refused = r"num_workers=2 and this start has num_workers=1.*init_from"
+    with pytest.raises(ConfigError, match=refused):
+        check_resume(start(tmp_path, cls=ZeroConfig, num_workers=1, grad_accum=2))
+
+
 def test_an_elastic_job_may_change_its_world_size(tmp_path):
     """fault_tolerance keeps the checkpoint's global batch (grad_accum adapts) and deals the
     data in one global order, so num_workers is not part of its contract."""

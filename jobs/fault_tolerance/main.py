@@ -8,7 +8,7 @@ from the last checkpoint on exactly the samples it had not yet trained on.
 What makes the resumed run identical to an uninterrupted one (see README.md):
   * checkpoints every N steps with model, optimizer, LR schedule, step, epoch, every rank's
     RNG and the data position (samples consumed in the epoch);
-  * a data order that does not depend on the world size (GlobalOrderSession), so the rest
+  * a data order that does not depend on the world size (shared/data/order.py), so the rest
     of the epoch can be re-dealt to however many workers come back;
   * the same global batch at any world size (grad_accum adjusts), so a step means the same.
 """
@@ -21,13 +21,12 @@ import os
 
 import ray.train
 import ray.train.torch
-from ray.train import DataConfig
 
 from shared import elastic, storage
 from shared.checkpoint import TRAIN_STATE_FILE
 from shared.config import FaultToleranceConfig, parse_args
 from shared.faults import FailureInjector, FaultInjectingStrategy
-from shared.launch import GlobalOrderSession, JobRun, seed_everything, train_on_text
+from shared.launch import JobRun, RaySession, seed_everything, train_on_text
 from shared.loop import train
 from shared.models import build_gpt2
 from shared.parallel.ddp import DDPStrategy
@@ -87,7 +86,7 @@ def saved_global_batch(session) -> int | None:
 
 def train_loop_per_worker(config: dict) -> None:
     cfg: FaultToleranceConfig = config["cfg"]
-    session = GlobalOrderSession(cfg, log_samples=cfg.log_samples)
+    session = RaySession(cfg, config["packed"])
     # Elastic or resized: the same global batch as the checkpoint (or as configured).
     cfg = for_this_world(
         cfg, session.world_size, saved_global_batch(session) or cfg.global_batch_size
@@ -132,11 +131,9 @@ def failures_recovered(cfg: FaultToleranceConfig) -> dict:
 def main() -> None:
     cfg = parse_args("fault_tolerance", FaultToleranceConfig, PROFILES, description=__doc__)
     run = JobRun(cfg, summary_hook=lambda: failures_recovered(cfg))
-    # Every worker reads the whole dataset in one fixed order (no per-worker split), so the
-    # rest of an epoch can be dealt to a different number of workers after a restart.
-    train_on_text(
-        cfg, train_loop_per_worker, dataset_config=DataConfig(datasets_to_split=[]), run=run
-    )
+    # Every worker reads only its slice of each global batch of the epoch's order, which does
+    # not depend on the world size: the rest of an epoch can go to any number of workers.
+    train_on_text(cfg, train_loop_per_worker, run=run)
 
 
 if __name__ == "__main__":

@@ -43,8 +43,9 @@ PROFILES = {
 
 def train_loop_per_worker(config: dict) -> None:
     cfg: TP2DConfig = config["cfg"]
-    # Each rank reads 1/tp of a micro-batch from its own shard; see TPGroupSession.
-    session = RaySession(cfg, batch_size=cfg.micro_batch_size // cfg.tp)
+    # Each rank reads 1/tp of its dp rank's micro-batch, then TP peers all-gather it
+    # (TPGroupSession): the unit of the data order is the dp rank.
+    session = RaySession(cfg, config["packed"], batch_size=cfg.micro_batch_size // cfg.tp)
     mesh = device_mesh_2d(session.device, cfg.dp, cfg.tp)
     table = placement(mesh, ray.get_runtime_context().get_node_id()[:12])
     if session.rank == 0:

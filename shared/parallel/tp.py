@@ -137,8 +137,11 @@ class TPGroupSession:
     def __getattr__(self, name):
         return getattr(self._session, name)
 
-    def epoch_batches(self, epoch: int, start_sample: int) -> Iterator[torch.Tensor]:
-        return gather_tp_batches(self._session.epoch_batches(epoch, start_sample), self._tp_mesh)
+    def epoch_batches(
+        self, epoch: int, start_sample: int, end_sample: int | None = None
+    ) -> Iterator[torch.Tensor]:
+        batches = self._session.epoch_batches(epoch, start_sample, end_sample)
+        return gather_tp_batches(batches, self._tp_mesh)
 
 
 def placement(mesh: DeviceMesh, node_id: str) -> list[dict]:

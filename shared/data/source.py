@@ -1,21 +1,19 @@
-"""Ray Data text pipelines: read parquet -> tokenise on CPU workers -> pack into blocks.
+"""Where text comes from, and the Ray Data pipeline read parquet -> tokenise -> pack.
 
 The same code serves both profiles. The full profile reads the real dataset (AG News or
 Wikitext parquet from the Hugging Face hub or an S3 mirror) with the real tokenizer; the
 smoke profile reads a parquet that :func:`generate_news_corpus` writes locally, in the same
 ``text,label`` schema, with a BPE tokenizer trained on it, so nothing is downloaded.
 
-Nothing is materialised: Ray Train's ``streaming_split`` pulls blocks through the pipeline
-while the workers train, and each epoch re-reads the parquet.
+The pipeline runs once per dataset and settings: shared/data/packing.py writes its output as
+the cached packed dataset that every epoch and every later run reads (shared/data/reader.py).
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import os
 import random
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -299,41 +297,6 @@ def tokenize_and_pack(
     texts = [str(t) for t in batch[text_column] if str(t).strip()]
     ids = tok(texts, add_special_tokens=False)["input_ids"]
     return {"input_ids": pack_token_ids(ids, tok.eos_token_id, seq_len)}
-
-
-# ------------------------------------------------------------------------------------------
-# data position: where a resumed run continues within an epoch
-
-
-def skip_consumed(batches: Iterable, start_sample: int, samples_per_micro_batch: int) -> Iterator:
-    """Drop the micro-batches a resumed run already trained on.
-
-    Exact when every rank's shard is the same as in the run that saved the position (same
-    world size, deterministic split, as Ray Data's ``streaming_split`` is here with
-    ``preserve_order``). After a change of world size the shards differ; use
-    :func:`global_order_batches` (jobs/fault_tolerance) for exactly-once data then.
-    """
-    return itertools.islice(iter(batches), start_sample // samples_per_micro_batch, None)
-
-
-def global_order_batches(
-    batches: Iterable, start_batch: int, rank: int, world_size: int
-) -> Iterator[tuple[int, Any]]:
-    """Exactly-once data across restarts and world-size changes.
-
-    Every rank reads the *same* stream of micro-batches in the epoch's fixed order. The first
-    ``start_batch`` were trained on before the restart; the rest are dealt round-robin to the
-    current ranks. Rounds that cannot give every rank a batch are dropped at the end of the
-    epoch, so ranks always take the same number of steps. Yields (global batch index, batch).
-    """
-    round_: list = []
-    for index, batch in enumerate(batches):
-        if index < start_batch:
-            continue
-        round_.append((index, batch))
-        if len(round_) == world_size:
-            yield round_[rank]
-            round_ = []
 
 
 def expand_pattern(path: str, filesystem=None) -> str | list[str]:

@@ -1,0 +1,101 @@
+"""The data layer without Ray: epoch order, rank slices, position encoding, exact resume."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from shared.data import (
+    EpochReader,
+    decode_consumed,
+    encode_consumed,
+    epoch_order,
+    memory_rows,
+    to_ranges,
+    usable_samples,
+)
+
+N, CHUNK, SEQ = 203, 16, 4
+BLOCKS = torch.arange(N * SEQ).reshape(N, SEQ)  # row i's tokens start at 4 * i
+
+
+def reader(rank, world, micro, global_batch, seed=7):
+    return EpochReader(memory_rows(BLOCKS, CHUNK), N, CHUNK, seed, reader=rank, readers=world,
+                       batch=micro, global_batch=global_batch)  # fmt: skip
+
+
+def trained_ids(readers, epoch, start=0, steps=None):
+    """Sample ids per micro-step (all ranks together, rank order), up to ``steps`` micro-steps."""
+    streams = [list(r.micro_batches(epoch, start)) for r in readers]
+    out = []
+    for t, parts in enumerate(zip(*streams, strict=True)):
+        if steps is not None and t >= steps:
+            break
+        for _, ids, batch in parts:
+            assert torch.equal(batch[:, 0] // SEQ, torch.from_numpy(ids))  # rows match ids
+            out.append(ids)
+    return np.concatenate(out)
+
+
+def test_order_is_a_permutation_that_depends_on_seed_and_epoch_only():
+    a = epoch_order(1, 0, N, CHUNK)
+    assert sorted(a.tolist()) == list(range(N))
+    assert np.array_equal(a, epoch_order(1, 0, N, CHUNK))
+    assert not np.array_equal(a, epoch_order(1, 1, N, CHUNK))  # two epochs differ
+    assert not np.array_equal(a, epoch_order(2, 0, N, CHUNK))
+    # granularity: each chunk's samples are one contiguous run of the order, shuffled inside
+    position = np.argsort(a)
+    for chunk in range(-(-N // CHUNK)):
+        where = position[chunk * CHUNK : (chunk + 1) * CHUNK]
+        assert where.max() - where.min() == len(where) - 1
+
+
+def test_same_seed_gives_the_same_global_batches_at_world_size_1_and_2():
+    g = 16
+    one = trained_ids([reader(0, 1, 8, g)], epoch=0)
+    two = trained_ids([reader(r, 2, 4, g) for r in range(2)], epoch=0)
+    four = trained_ids([reader(r, 4, 2, g) for r in range(4)], epoch=0)
+    assert len(one) == usable_samples(N, g) == 192
+    for other in (two, four):  # same samples in every global batch (order inside may differ)
+        assert [sorted(one[i : i + g]) for i in range(0, 192, g)] == [
+            sorted(other[i : i + g]) for i in range(0, 192, g)
+        ]
+    assert np.array_equal(one, epoch_order(7, 0, N, CHUNK)[:192])
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2), (2, 4)])
+def test_resume_at_another_world_size_trains_each_sample_exactly_once(before, after):
+    g = 16
+    start = 5 * g  # 5 global batches trained at `before` ranks
+    first = [reader(r, before, g // before, g) for r in range(before)]
+    done = trained_ids(first, epoch=0, steps=5)
+    second = [reader(r, after, g // after, g) for r in range(after)]
+    rest = trained_ids(second, epoch=0, start=start)
+    both = np.concatenate([done, rest])
+    assert len(both) == len(set(both.tolist())) == 192  # each once, the whole usable epoch
+    assert set(both.tolist()) == set(epoch_order(7, 0, N, CHUNK)[:192].tolist())
+    # every row read was trained: nothing read twice, nothing read and discarded
+    read = sum(r.rows_read for r in second)
+    assert read == sum(r.rows_trained for r in second) == 192 - start
+
+
+def test_consumed_ranges_for_a_million_samples_stay_under_1_mb():
+    n = 1_000_000
+    rng = np.random.default_rng(0)
+    worst = np.arange(0, n, 2)  # every other sample: 500,000 ranges
+    arbitrary = epoch_order(3, 0, n, 4096)[: n // 2]  # half an epoch of a shuffled order
+    cuts = np.sort(rng.choice(n, 2000, replace=False))
+    ranges = np.concatenate([np.arange(a, b) for a, b in zip(cuts[::2], cuts[1::2], strict=True)])
+    for ids in (worst, arbitrary, ranges, np.arange(n), np.zeros(0, dtype=np.int64)):
+        record = encode_consumed(ids, n)
+        size = len(json.dumps(record))
+        assert size < 1_000_000, size
+        assert np.array_equal(decode_consumed(record), np.unique(ids))
+    assert len(json.dumps(encode_consumed(ranges, n))) < 20_000  # 1,000 ranges: a few kB
+
+
+def test_to_ranges_merges_consecutive_ids():
+    assert to_ranges(np.array([5, 1, 2, 3, 9, 10])).tolist() == [[1, 4], [5, 6], [9, 11]]
