@@ -2,6 +2,7 @@
 
     make bench                                   # LOOPBACK_ONLY=1 on CI-like machines
     python benchmarks/bench.py --repeats 3 --steps 30 --only ddp,fsdp
+    python benchmarks/bench.py --only ddp,torchrun --repeats 3 --json out.json  # Ray vs torchrun
 
 Runs each job's ``main.py`` as a subprocess, exactly as a user does (``make run-local``), with
 the smoke profile and a few overrides, and reads its ``SUMMARY`` line and ``metrics.jsonl``:
@@ -188,6 +189,7 @@ def aggregate(results: list[RunResult], variant: Variant) -> dict | None:
         "model_state_planned": sum(planned.values()),
         "planner_exact": planned == measured,
         "peak_rss": statistics.median(r.summary.get("peak_rss", 0) for r in runs),
+        "startup_s": startup_medians(runs),
         # Rows read / rows trained, cluster-wide (the torchrun baseline reads from memory).
         "data_read_amplification": max(
             (r.summary.get("data_read_amplification") or 0 for r in runs), default=0
@@ -218,7 +220,7 @@ def machine() -> dict:
     }
 
 
-def paired_ratios(results: list[RunResult]) -> list[str]:
+def paired_ratios(results: list[RunResult]) -> list[dict]:
     """Ray Train / torchrun median step time for each repeat's back-to-back pair of runs."""
     by_run = {r.summary["run_dir"].rsplit("/", 1)[-1]: r for r in results}
     pairs = []
@@ -228,8 +230,56 @@ def paired_ratios(results: list[RunResult]) -> list[str]:
         torchrun = by_run.get(name.replace("ddp-", "torchrun-", 1))
         if torchrun:
             a, b = (statistics.median(r.step_times) for r in (ray_run, torchrun))
-            pairs.append(f"repeat {name[5:]}: {ms(a)} vs {ms(b)} ms = {a / b:.2f}")
+            pairs.append({"repeat": name[5:], "ray_step_s": a, "torchrun_step_s": b,
+                          "ratio": a / b})  # fmt: skip
     return pairs
+
+
+def startup_medians(runs: list[RunResult]) -> dict[str, float]:
+    """SUMMARY's ``startup_s`` phase by phase, the median over the runs that have it."""
+    phases = [r.summary.get("startup_s") or {} for r in runs]
+    names = dict.fromkeys(name for p in phases for name in p)
+    return {name: round(statistics.median(p[name] for p in phases if name in p), 3)
+            for name in names}  # fmt: skip
+
+
+def ray_vs_torchrun(rows: list[dict], results: list[RunResult]) -> dict | None:
+    """The acceptance numbers of the Ray Train overhead: step-time ratio and start-up."""
+    by_label = {r["label"]: r for r in rows}
+    ray_row, torchrun_row = by_label.get("DDP"), by_label.get("DDP (torchrun)")
+    if not (ray_row and torchrun_row):
+        return None
+    pairs = paired_ratios(results)
+    return {
+        "step_median_s": {"ray": ray_row["step_median_s"],
+                          "torchrun": torchrun_row["step_median_s"]},
+        "step_ratio": ray_row["step_median_s"] / torchrun_row["step_median_s"],
+        "paired_ratios": pairs,
+        "paired_ratio_median": statistics.median(p["ratio"] for p in pairs) if pairs else None,
+        "time_to_first_step_s": {"ray": ray_row["time_to_first_step_s"],
+                                 "torchrun": torchrun_row["time_to_first_step_s"]},
+        "startup_s": {"ray": ray_row["startup_s"], "torchrun": torchrun_row["startup_s"]},
+    }  # fmt: skip
+
+
+def startup_table(ray: dict[str, float], torchrun: dict[str, float]) -> list[str]:
+    """Markdown: where the time to the first step goes (SUMMARY's ``startup_s``, medians)."""
+    lines = ["### Start-up, phase by phase (`startup_s`, seconds, medians)", "",
+             "| phase | Ray Train | torchrun |", "|---|---|---|"]  # fmt: skip
+    for phase in dict.fromkeys([*ray, *torchrun]):
+        cells = [f"{d[phase]:.2f}" if phase in d else "-" for d in (ray, torchrun)]
+        lines.append(f"| {phase} | {cells[0]} | {cells[1]} |")
+    return [
+        *lines,
+        "",
+        "Phases (shared/startup.py): *cluster_start* preflight checks and the "
+        "local Ray cluster; *data_preparation* packing the dataset or finding it cached; "
+        "*worker_group_start* Ray Train's controller, the worker actors and the torch "
+        "process group (torchrun: its processes and process group); *model_build* the "
+        "model, the strategy's wrap and any checkpoint load; *first_batch* the data "
+        "pipeline's first micro-batch; *first_step* step 1's compute.",
+        "",
+    ]
 
 
 def amplification(value: float | None) -> str:
@@ -284,7 +334,8 @@ def render_markdown(rows: list[dict], info: dict, bench: Bench, args, chart: str
     if ray_row and torchrun_row:
         ratio = ray_row["step_median_s"] / torchrun_row["step_median_s"]
         overhead = ray_row["time_to_first_step_s"] - torchrun_row["time_to_first_step_s"]
-        pairs = paired_ratios(bench.results)
+        pairs = [f"repeat {p['repeat']}: {ms(p['ray_step_s'])} vs {ms(p['torchrun_step_s'])} "
+                 f"ms = {p['ratio']:.2f}" for p in paired_ratios(bench.results)]  # fmt: skip
         lines += [
             "## Ray Train vs torchrun, same DDP loop",
             "",
@@ -300,6 +351,7 @@ def render_markdown(rows: list[dict], info: dict, bench: Bench, args, chart: str
             "pairs saw similar machine load: " + "; ".join(pairs) + ". On a shared 2-core "
             "machine the spread between pairs is the noise floor of this ratio.",
             "",
+            *startup_table(ray_row["startup_s"], torchrun_row["startup_s"]),
         ]
     lines += [
         "## Reading it",
@@ -338,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
                         ",".join(v.key for v in VARIANTS))  # fmt: skip
     parser.add_argument("--storage", default=str(REPO / "runs" / "bench"))
     parser.add_argument("--out", default=str(REPO / "docs" / "benchmarks.md"))
+    parser.add_argument("--json", default="", help="also write the numbers as JSON to this file")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.steps < 4:
         parser.error("--repeats must be >= 1 and --steps >= 4 (warm-up 3 steps + 1).")
@@ -369,8 +422,12 @@ def main(argv: list[str] | None = None) -> int:
                    title=f"tokens/s per strategy ({info['cores']} CPU cores, fp32, gloo)",
                    ylabel="tokens/s (median of runs)")  # fmt: skip
     out.write_text(render_markdown(rows, info, bench, args, chart.name))
+    numbers = {"machine": info, "rows": rows,
+               "ray_vs_torchrun": ray_vs_torchrun(rows, bench.results),
+               "failures": bench.failures, "skipped": bench.skipped}  # fmt: skip
     bench.storage.mkdir(parents=True, exist_ok=True)
-    (bench.storage / "bench.json").write_text(json.dumps({"machine": info, "rows": rows}, indent=2))
+    for path in filter(None, (bench.storage / "bench.json", args.json)):
+        Path(path).write_text(json.dumps(numbers, indent=2))
     print(f"wrote {out} and {chart} in {bench.total_s:.0f}s (raw: {bench.storage}/bench.json)")
     return 0 if not bench.failures else 1
 

@@ -22,6 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from shared import startup
 from shared.config import TrainConfig, parse_args
 from shared.data import resolve_text_source, tokenizer_spec
 from shared.launch import seed_everything
@@ -49,30 +50,21 @@ def main() -> None:
     cfg = parse_args("ddp", TrainConfig, GPT2_AG_NEWS, description=__doc__)
     cfg.driver_start_time = float(os.environ.get("BENCH_LAUNCH_TIME", cfg.driver_start_time))
     rank, world_size, device = init_distributed(getattr(cfg, "collective_timeout_s", 1800.0))
+    startup.mark(cfg, "worker_start")  # processes and process group up (shared/startup.py)
     try:
         blocks, spec = smoke_corpus(cfg, rank, world_size)
+        startup.mark(cfg, "data_ready")
         seed_everything(cfg.seed)  # identical initial weights on every rank, as in a job
         model = build_gpt2(cfg.model, spec["vocab_size"], cfg.seq_len, cfg.pretrained,
                            spec["eos_token_id"])  # fmt: skip
         model = apply_ddp(model, device)
         strategy = DDPStrategy(model, cfg, device, torch.float32)
-        session = TorchrunSession(
-            # The jobs' epoch order and global batches, read from memory instead of Ray Data.
-            rank_batches(
-                blocks,
-                cfg.micro_batch_size,
-                rank,
-                world_size,
-                seed=cfg.seed,
-                global_batch=cfg.global_batch_size,
-                chunk_rows=cfg.pack_chunk_rows,
-            ),  # fmt: skip
-            os.path.join(cfg.run_dir, "checkpoints"),
-            cfg.micro_batch_size,
-            rank,
-            world_size,
-            device,
-        )
+        # The jobs' epoch order and global batches, read from memory instead of Ray Data.
+        reader = rank_batches(blocks, cfg.micro_batch_size, rank, world_size, seed=cfg.seed,
+                              global_batch=cfg.global_batch_size,
+                              chunk_rows=cfg.pack_chunk_rows)  # fmt: skip
+        session = TorchrunSession(reader, os.path.join(cfg.run_dir, "checkpoints"),
+                                  cfg.micro_batch_size, rank, world_size, device)  # fmt: skip
         started = time.time()
         summary = train(cfg, strategy, session)
         if rank == 0:

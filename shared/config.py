@@ -71,6 +71,8 @@ class BaseConfig:
     job: str = field(default="", metadata={"internal": True})
     profile: str = field(default="smoke", metadata={"internal": True})
     driver_start_time: float = field(default=0.0, metadata={"internal": True})
+    # Start-up marks the driver records for SUMMARY's startup_s (shared/startup.py).
+    startup_marks: dict = field(default_factory=dict, metadata={"internal": True})
 
     def worker_resources_dict(self) -> dict[str, float]:
         try:

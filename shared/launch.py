@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shared import init_from, preemption, resume, storage
+from shared import init_from, preemption, resume, startup, storage
 from shared.cluster import ClusterInfo, check_local_resources, ray_cluster, train_worker_nodes
 from shared.config import ConfigError, user_fields
 from shared.data import EpochReader, PackedDataset, ray_rows
@@ -44,7 +44,7 @@ OPTIONAL_SUMMARY_KEYS = (
     "data_wait_fraction", "first_batch_wait_s", "dtype", "model_state_bytes_per_rank",
     "peak_rss", "cuda_peak_allocated", "samples_per_epoch", "diverged_at_step", "divergence",
     "last_good_checkpoint_step", "preempted_at_step", "eval_loss", "eval_ppl", "first_eval_loss",
-    "data_read_amplification", "data_rows_read", "data_rows_trained",
+    "data_read_amplification", "data_rows_read", "data_rows_trained", "startup_s",
 )  # fmt: skip
 
 
@@ -83,6 +83,7 @@ class RaySession:
         import ray.train
         import ray.train.torch
 
+        self.started_at = time.time()  # this worker's start-up mark (shared/startup.py)
         quiet_train_worker_logs()
         context = ray.train.get_context()
         self.cfg = cfg
@@ -369,6 +370,7 @@ def train_on_text(
         source = sources[0]
         packed = packed_dataset(source, cfg, log=lambda line: print(line, flush=True))
         check_enough_samples(packed, cfg.global_batch_size)  # before the worker group
+        startup.mark(cfg, "data_ready")
         trainer = TorchTrainer(
             train_loop_per_worker,
             train_loop_config={"cfg": cfg, "packed": packed, **tokenizer_spec(source.tokenizer)},
@@ -377,6 +379,7 @@ def train_on_text(
             torch_config=torch_config(cfg),
             **({"dataset_config": dataset_config} if dataset_config is not None else {}),
         )
+        startup.mark(cfg, "fit_start")
         run.result = trainer.fit()
         run.extra["worker_nodes"] = train_worker_nodes()
         if getattr(cfg, "export_at_end", False):
@@ -452,6 +455,7 @@ def job_run(cfg, run: JobRun | None = None, preflight=()) -> Iterator[JobRun]:
         # The token is a secret for this node's cluster: never on object storage.
         token_file = os.path.join(storage.node_local_dir(cfg.run_dir), "ray-auth-token")
         with ray_cluster(cfg, token_file=token_file) as info:
+            startup.mark(cfg, "cluster_ready")
             run.cluster = info
             register_process(cfg.run_dir, DRIVER)  # for `make stack`
             preemption.start_stop_flag(cfg)  # a SIGTERM to the driver stops the workers cleanly

@@ -329,6 +329,11 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
     summary metrics (``status`` is ``diverged`` if a non-finite value stopped the run)."""
     state, resumed_from = restore(cfg, strategy, session)
     tracker = _tracker(cfg, strategy, session)
+    # Start-up marks so far (shared/startup.py): the driver's, this worker's start, now.
+    tracker.startup_marks = {**cfg.startup_marks, "launch": cfg.driver_start_time,
+                             "model_ready": time.time()}  # fmt: skip
+    if getattr(session, "started_at", None):
+        tracker.startup_marks["worker_start"] = session.started_at
     outputs = RankZeroOutputs(cfg, strategy, session)
     profiler = StepProfiler.for_run(cfg, session.rank, session.device)
     strategy.model.train()
@@ -357,6 +362,7 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
             data_wait += time.perf_counter() - wait_start
             if input_ids is None:
                 break
+            tracker.startup_marks.setdefault("first_batch", time.time())
             # Sessions yield host tensors; the copy is its own trace range (a no-op on CPU).
             with trace_range(HOST_TO_DEVICE):
                 input_ids = input_ids.to(session.device, non_blocking=True)

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
-from shared import storage
+from shared import startup, storage
 from shared.storage import AppendLog
 
 # Dense bf16/fp16 tensor-core peaks from the vendors' datasheets (no sparsity), TFLOP/s.
@@ -118,6 +118,7 @@ class StepMetrics:
         self.log = AppendLog(path) if path else None
         self.history: list[dict] = []
         self.first_step_end: float | None = None
+        self.startup_marks: dict[str, float | None] = {}  # set by the loop (shared/startup.py)
 
     def record(self, *, step: int, epoch: int, loss: float, lr: float, grad_norm: float | None,
                step_time: float, data_wait: float, **extra) -> dict:  # fmt: skip
@@ -192,6 +193,9 @@ class StepMetrics:
             "step_time_median_s": statistics.median(r["step_time_s"] for r in steady),
             "data_wait_total_s": sum(r["data_wait_s"] for r in self.history),
             "time_to_first_step_s": self.first_step_end - self.cfg.driver_start_time,
+            "startup_s": startup.breakdown(
+                {**self.startup_marks, "first_step": self.first_step_end}
+            ),
             "steps_this_run": len(self.history),
             **self.eval_summary(),
         }

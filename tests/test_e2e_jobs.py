@@ -49,6 +49,13 @@ def test_ddp_smoke_trains_and_checkpoints(ddp_runs):
     assert s["initial_loss"] == pytest.approx(6.24, abs=0.15)
     assert s["final_loss"] < 0.8 * s["initial_loss"]
     assert s["time_to_first_step_s"] > 0 and s["tokens_per_s"] > 0 and s["wall_s"] > 0
+    # Every second of the start-up accounted for, phase by phase (shared/startup.py).
+    startup = s["startup_s"]
+    assert list(startup) == ["cluster_start", "data_preparation", "driver_setup",
+                             "worker_group_start", "model_build", "first_batch", "first_step",
+                             "total"]  # fmt: skip
+    assert startup["total"] == pytest.approx(s["time_to_first_step_s"], abs=0.01)
+    assert all(v >= 0 for v in startup.values())
     assert_held_out_loss_fell(s)  # evaluations at steps 10 and 20
     # Each row of the packed dataset read once, across the epoch boundary (issue 14).
     assert s["data_rows_trained"] == 20 * 32 and s["data_read_amplification"] <= 1.05
