@@ -394,7 +394,13 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
             profiler.step_finished(state.step)
             outputs.step(row)
             reason = nonfinite_reason(cfg, strategy, row)
-            if any_rank(bool(reason), session.device):
+            # Loss and gradient norm are global, so every rank reaches the same verdict on
+            # them; only the weights check (checkpoint steps, each rank its own shard) needs a
+            # vote, which keeps a collective out of every other step.
+            diverged = bool(reason)
+            if checkpoint_due(cfg, state.step):
+                diverged = any_rank(diverged, session.device)
+            if diverged:
                 preemption.training(False)
                 profiler.close()
                 summary = stop_diverged(cfg, strategy, session, state, tracker, row, reason,

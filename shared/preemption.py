@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -134,6 +135,7 @@ class StopCheck:
         self.use_ray = use_ray
         self.drained = False  # a just-in-time checkpoint was already saved for the drain
         self._flag, self._pending = None, None
+        self._next_poll = 0.0  # the driver's flag is asked at most once a second (an actor call)
         if use_ray and rank == 0:
             import ray
 
@@ -148,6 +150,9 @@ class StopCheck:
         import ray
 
         if self._pending is None:
+            if time.monotonic() < self._next_poll:
+                return False
+            self._next_poll = time.monotonic() + 1.0
             self._pending = self._flag.get.remote()
         ready, _ = ray.wait([self._pending], timeout=0)
         if not ready:
