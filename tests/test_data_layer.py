@@ -99,3 +99,20 @@ def test_consumed_ranges_for_a_million_samples_stay_under_1_mb():
 
 def test_to_ranges_merges_consecutive_ids():
     assert to_ranges(np.array([5, 1, 2, 3, 9, 10])).tolist() == [[1, 4], [5, 6], [9, 11]]
+
+
+def test_a_read_that_stops_early_is_finished_before_its_last_batch():
+    """The loop never asks past its last step, so the row source must be exhausted (Ray Data
+    records its stats only then) by the time the last planned batch is handed out."""
+    finished = []
+
+    def rows(ids):
+        yield from memory_rows(BLOCKS, CHUNK)(ids)
+        finished.append(True)
+
+    r = EpochReader(rows, N, CHUNK, 7, reader=0, readers=1, batch=4, global_batch=4)
+    batches = r.micro_batches(0, 8, stop=40)
+    positions = [next(batches)[0] for _ in range(8)]  # exactly the planned 8, no 9th next()
+    assert positions == list(range(8, 40, 4))
+    assert finished == [True]
+    assert r.rows_read == r.rows_trained == 32

@@ -90,7 +90,8 @@ def test_a_driver_killed_while_packing_leaves_nothing_the_next_run_uses(tmp_path
     """SIGKILL the ddp driver (and the local cluster it started) while its Ray Data pass is
     writing chunk files: the rerun packs again from scratch and trains."""
     # Enough generated text that the pass writes for seconds, in many small chunk files.
-    data = ("smoke_rows=8000", "pack_chunk_rows=8", "max_steps=2", "eval_every=0", "run_name=k")
+    data = ("smoke_rows=8000", "pack_chunk_rows=8", "max_steps=2", "warmup_steps=0",
+            "eval_every=0", "run_name=k")  # fmt: skip
     cmd = [sys.executable, str(REPO / "jobs/ddp/main.py"), f"storage_path={tmp_path}", *data]
     packed_root = Path(tmp_path, "_data", "packed")
     proc = subprocess.Popen(cmd, cwd=REPO, env=job_env(), stdout=subprocess.DEVNULL,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, run_job
+from conftest import REPO, job_env, run_job
 from observability_checks import assert_held_out_loss_fell
 from sample_log import committed_samples
 
@@ -115,8 +115,8 @@ def test_killed_driver_resumes_when_the_command_is_rerun(reference, storage):
     cmd = [sys.executable, str(REPO / "jobs/fault_tolerance/main.py"), f"storage_path={storage}",
            *COMMON, "fail_at_step=0", "run_name=driver", "sleep_per_step=0.5"]  # fmt: skip
     run_dir = Path(storage, "fault_tolerance", "driver")
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO, env=job_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
     try:
         deadline = time.time() + 300
         while not (run_dir / "step_000004" / "train_state.json").exists():

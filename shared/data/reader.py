@@ -124,11 +124,16 @@ class EpochReader:
             return
         held: dict[int, np.ndarray] = {}
         rows = iter(self.rows(np.concatenate([ids for _, ids in plan])))
-        for position, ids in plan:
+        for n, (position, ids) in enumerate(plan, start=1):
             while any(i not in held for i in ids.tolist()):
                 got_ids, got_tokens = next(rows)
                 self.rows_read += len(got_ids)
                 held.update(zip(got_ids.tolist(), got_tokens, strict=True))
+            if n == len(plan):
+                # Finish the read before the last batch: the loop stops at its last step
+                # without asking for more, and a read left suspended never records its stats.
+                for got_ids, _ in rows:
+                    self.rows_read += len(got_ids)
             batch = torch.from_numpy(np.stack([held.pop(i) for i in ids.tolist()]))
             self.rows_trained += len(ids)
             yield position, ids, batch
