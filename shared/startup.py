@@ -9,6 +9,7 @@ and prepares its data after its processes start) still adds up to its time to fi
 
 from __future__ import annotations
 
+import itertools
 import time
 
 # (mark, the phase that ends at it), in the order a Ray Train run passes them.
@@ -36,7 +37,7 @@ def breakdown(marks: dict[str, float | None]) -> dict[str, float]:
     ends = dict(PHASES)
     present = sorted((at, name) for name, at in marks.items() if at is not None)
     phases = {ends[name] or name: round(at - before, 3)
-              for (before, _), (at, name) in zip(present, present[1:])}  # fmt: skip
+              for (before, _), (at, name) in itertools.pairwise(present)}  # fmt: skip
     if phases:
         phases["total"] = round(present[-1][0] - present[0][0], 3)
     return phases

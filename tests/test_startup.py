@@ -24,8 +24,9 @@ def test_missing_marks_fold_into_the_next_phase_and_order_follows_time():
     """torchrun: no cluster; its processes start before the data is prepared."""
     marks = {"launch": 0.0, "worker_start": 2.0, "data_ready": 3.0, "model_ready": 3.5,
              "first_batch": None, "first_step": 4.0}  # fmt: skip
-    assert startup.breakdown(marks) == {"worker_group_start": 2.0, "data_preparation": 1.0,
-                                        "model_build": 0.5, "first_step": 0.5, "total": 4.0}  # fmt: skip
+    expected = {"worker_group_start": 2.0, "data_preparation": 1.0, "model_build": 0.5,
+                "first_step": 0.5, "total": 4.0}  # fmt: skip
+    assert startup.breakdown(marks) == expected
     assert startup.breakdown({"launch": 1.0}) == {}
 
 
