@@ -44,13 +44,24 @@ def free_port() -> int:
 
 
 class LocalCluster:
-    """A head and one worker node, each a ``ray start --block`` process we own."""
+    """A head and ``worker_nodes`` worker nodes, each a ``ray start --block`` process we own.
 
-    def __init__(self, env: dict):
+    Worker nodes can be lost (``kill_node``: every process of the node, SIGKILL, as when a
+    machine disappears) and started again (``start_worker_node``) - the elastic tests."""
+
+    def __init__(self, env: dict, worker_nodes: int = 1, node_resources: dict | None = None,
+                 worker_node_cpus: int = WORKER_NODE_CPUS):  # fmt: skip
         self.env = env
+        self.worker_nodes = worker_nodes
+        self.node_resources = node_resources or {}  # custom resources of each worker node
+        # Logical CPUs (Ray's accounting, not cores): Ray Data's read tasks need some left
+        # over by the training workers on their node.
+        self.worker_node_cpus = worker_node_cpus
         self.gcs_port = free_port()
         self.dashboard_port = free_port()
         self.processes: list[subprocess.Popen] = []
+        self.nodes: dict[str, subprocess.Popen] = {}  # worker node name -> its `ray start`
+        self._starts = 0
         # One temp dir per node: nodes sharing one would share (and garbage-collect) each
         # other's runtime-env packages, pulling the job's working_dir from under it.
         self.temp_root = Path(tempfile.mkdtemp(prefix="ray-local-"))
@@ -62,13 +73,19 @@ class LocalCluster:
     def dashboard(self) -> str:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
-    def _ray_start(self, node: str, *args: str) -> None:
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.gcs_port}"
+
+    def _ray_start(self, temp_name: str, *args: str) -> subprocess.Popen:
         ray = str(Path(sys.executable).with_name("ray"))
-        temp_dir = self.temp_root / node
+        temp_dir = self.temp_root / temp_name
         cmd = [ray, "start", "--block", "--node-ip-address", "127.0.0.1",
                "--temp-dir", str(temp_dir), *args]  # fmt: skip
         # Own process group: stopping it stops everything this node started, and nothing else.
-        self.processes.append(subprocess.Popen(cmd, env=self.env, start_new_session=True))
+        proc = subprocess.Popen(cmd, env=self.env, start_new_session=True)
+        self.processes.append(proc)
+        return proc
 
     def start(self) -> None:
         self._ray_start(
@@ -79,34 +96,69 @@ class LocalCluster:
             "--ray-client-server-port", str(free_port()),
         )  # fmt: skip
         self._wait_for_nodes(1)
-        self._ray_start(
-            "worker", "--address", f"127.0.0.1:{self.gcs_port}",
-            "--num-cpus", str(WORKER_NODE_CPUS), "--dashboard-agent-listen-port", str(free_port()),
-        )  # fmt: skip
-        self._wait_for_nodes(2)
-        print(f"local cluster up: 2 nodes, dashboard {self.dashboard}, temp dir {self.temp_root}",
-              flush=True)  # fmt: skip
+        for i in range(self.worker_nodes):
+            self.start_worker_node(f"worker{i}" if self.worker_nodes > 1 else "worker")
+        print(f"local cluster up: {1 + self.worker_nodes} nodes, dashboard {self.dashboard}, "
+              f"temp dir {self.temp_root}", flush=True)  # fmt: skip
 
-    def _wait_for_nodes(self, count: int) -> None:
+    def start_worker_node(self, name: str) -> None:
+        """Start (or start again, after ``kill_node``) the worker node ``name``."""
+        for tries_left in (1, 0):
+            self._starts += 1
+            args = ["--address", self.address, "--num-cpus", str(self.worker_node_cpus),
+                    "--dashboard-agent-listen-port", str(free_port())]  # fmt: skip
+            if self.node_resources:
+                args += ["--resources", json.dumps(self.node_resources)]
+            # A fresh temp dir per start: a restarted node must not find the dead one's sockets.
+            proc = self.nodes[name] = self._ray_start(f"{name}-{self._starts}", *args)
+            try:
+                self._wait_for_nodes(len(self.nodes) + 1)
+                return
+            except RuntimeError:
+                # On a loaded machine the raylet can give up waiting for its dashboard agent
+                # (20 s); a second start usually makes it.
+                if proc.poll() is None or not tries_left:
+                    raise
+                self.processes.remove(proc)
+                print(f"local cluster: node {name} failed to start; starting it again", flush=True)
+
+    def kill_node(self, name: str) -> None:
+        """Lose worker node ``name`` at once: SIGKILL its raylet, its workers and everything
+        else it started (no drain, no goodbye to the GCS)."""
+        proc = self.nodes.pop(name)
+        marker = str(Path(proc.args[proc.args.index("--temp-dir") + 1]))
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in self._pids_mentioning(marker.encode()):  # any that left the group
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+        self.processes.remove(proc)
+        # The GCS notices when the node's health checks fail (RAY_health_check_* settings).
+        self._wait_for_nodes(len(self.nodes) + 1, dead_ones_gone=True)
+
+    def _wait_for_nodes(self, count: int, dead_ones_gone: bool = False) -> None:
+        """Until ``count`` nodes are alive (or, ``dead_ones_gone``, no more than ``count``)."""
         deadline = time.time() + START_TIMEOUT_S
         while time.time() < deadline:
             if any(p.poll() is not None for p in self.processes):
                 raise RuntimeError("a `ray start` process exited during start-up (see above)")
-            if self._alive_nodes() >= count:
+            alive = self._alive_nodes()  # None: the GCS did not answer this time
+            if alive is not None and ((alive <= count) if dead_ones_gone else (alive >= count)):
                 return
-            time.sleep(2)
+            time.sleep(1)
         raise RuntimeError(f"the local cluster did not reach {count} nodes in {START_TIMEOUT_S} s")
 
-    def _alive_nodes(self) -> int:
+    def _alive_nodes(self) -> int | None:
         proc = subprocess.run(
             [str(Path(sys.executable).with_name("ray")), "list", "nodes", "--address",
              self.dashboard, "--format", "json", "--filter", "state=ALIVE"],
             env=self.env, capture_output=True, text=True,
         )  # fmt: skip
         try:
-            return len(json.loads(proc.stdout)) if proc.returncode == 0 else 0
+            return len(json.loads(proc.stdout)) if proc.returncode == 0 else None
         except json.JSONDecodeError:
-            return 0
+            return None
 
     def stop(self, keep_logs: bool) -> None:
         # The worker node first (it drains through the head's GCS), then the head. SIGTERM to
@@ -132,7 +184,10 @@ class LocalCluster:
     def leftover_pids(self) -> list[int]:
         """Processes still running that were started for this cluster: every Ray daemon and
         worker carries the head's GCS address, with its port unique on this machine."""
-        marker = f"127.0.0.1:{self.gcs_port}".encode()
+        return self._pids_mentioning(self.address.encode())
+
+    @staticmethod
+    def _pids_mentioning(marker: bytes) -> list[int]:
         pids = []
         for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
             try:

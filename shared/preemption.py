@@ -103,7 +103,12 @@ def start_stop_flag(cfg):
         def get(self) -> bool:
             return self.stop
 
-    flag = StopFlag.options(name=stop_flag_name(cfg)).remote()
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    # On the driver's node: a flag on a worker node would die with that node, and every
+    # later attempt would find it dead.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    flag = StopFlag.options(name=stop_flag_name(cfg), scheduling_strategy=here).remote()
     ray.get(flag.get.remote())
 
     def on_sigterm(signum, frame):
@@ -158,7 +163,14 @@ class StopCheck:
         if not ready:
             return False
         self._pending = None
-        return bool(ray.get(ready[0]))
+        try:
+            return bool(ray.get(ready[0]))
+        except ray.exceptions.RayActorError:
+            # The driver's node went away with its flag: train on, without the relay.
+            print("preemption: the driver's stop flag is gone; a SIGTERM to the driver no "
+                  "longer reaches the workers", file=sys.stderr, flush=True)  # fmt: skip
+            self._flag = None
+            return False
 
     def stop(self) -> bool:
         local = stop_requested_locally() or (self.rank == 0 and self._driver_asked())

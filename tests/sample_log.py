@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from pathlib import Path
+
+from shared import storage
 
 
 def committed_samples(run_dir: str) -> dict[int, Counter]:
@@ -15,8 +16,9 @@ def committed_samples(run_dir: str) -> dict[int, Counter]:
     position the next attempt resumed from was rolled back by that resume.
     """
     by_attempt: dict[int, list[tuple[int, int, list[int]]]] = {}
-    for path in Path(run_dir, "samples").glob("*.jsonl"):
-        for line in path.read_text().splitlines():
+    logs = storage.join(str(run_dir), "samples")  # local or s3://
+    for name in [n for n in storage.listdir(logs) if n.endswith(".jsonl")]:
+        for line in storage.read_text(storage.join(logs, name)).splitlines():
             r = json.loads(line)
             by_attempt.setdefault(r["attempt"], []).append((r["epoch"], r["position"], r["ids"]))
     attempts = [by_attempt[a] for a in sorted(by_attempt)]

@@ -116,3 +116,18 @@ def test_a_read_that_stops_early_is_finished_before_its_last_batch():
     assert positions == list(range(8, 40, 4))
     assert finished == [True]
     assert r.rows_read == r.rows_trained == 32
+
+
+def test_a_ranks_read_is_a_few_large_tasks_not_one_per_chunk_file():
+    """One read task per tiny chunk file made each epoch's first batch wait 30 s and more."""
+    from shared.data import PackedDataset
+    from shared.data.reader import READ_TASK_BYTES, read_tasks
+
+    def packed(files: int, size: int) -> PackedDataset:
+        names = tuple(f"chunk-{i:06d}.parquet" for i in range(files))
+        return PackedDataset("/d", "k", files * 32, 64, 32, names, (size,) * files)
+
+    assert read_tasks(packed(20, 8 << 10), list(range(0, 20, 2))) == 1  # a smoke slice
+    big = packed(1000, 4 << 20)  # 4 GB of 4 MB chunk files: ~64 MB per task
+    assert read_tasks(big, list(range(1000))) == -(-1000 * (4 << 20) // READ_TASK_BYTES) == 63
+    assert read_tasks(big, [5]) == 1

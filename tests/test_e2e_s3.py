@@ -13,10 +13,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections import Counter
 
 import pytest
 from conftest import REPO, job_env, run_job
+from sample_log import committed_samples
 
 from shared import storage
 
@@ -67,18 +67,22 @@ def test_ddp_on_s3_writes_every_run_file_to_the_bucket(ddp_runs, bucket):
     assert state["step"] == 8 and state["world_size"] == 2
     # Observability: loss curve, data stats, TensorBoard events and profiler traces uploaded.
     assert storage.read_bytes(f"{run_dir}/loss_curve.png")[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "MapBatches(tokenize_and_pack)" in storage.read_text(f"{run_dir}/data_stats.txt")
+    assert "ReadFiles" in storage.read_text(f"{run_dir}/data_stats.txt")
     events = storage.listdir(f"{run_dir}/tensorboard")
     assert events and all(name.startswith("events.out.tfevents.") for name in events)
     for rank in (0, 1):
         trace = json.loads(storage.read_text(f"{run_dir}/profile/rank{rank}.json"))
         names = {e.get("name") for e in trace["traceEvents"]}
         assert {"train_step#2", "train_step#3"} <= names
-    # The generated corpus lives in the bucket too, complete (its marker is written last).
-    corpora = storage.listdir(f"{bucket}/_data")
+    # The generated corpus lives in the bucket too, complete (its marker is written last),
+    # and so does the packed dataset the runs read, committed by its manifest.
+    corpora = [name for name in storage.listdir(f"{bucket}/_data") if name != "packed"]
     assert len(corpora) == 1
     corpus = f"{bucket}/_data/{corpora[0]}"
     assert storage.listdir(corpus) == ["_COMPLETE", "tokenizer", "train.parquet"]
+    (packed,) = storage.listdir(f"{bucket}/_data/packed")
+    files = storage.listdir(f"{bucket}/_data/packed/{packed}")
+    assert "_MANIFEST.json" in files and "chunk-000000.parquet" in files
     # Nothing landed in a local folder named after the URI (os.makedirs("s3://...")).
     assert not (REPO / "s3:").exists()
 
@@ -132,24 +136,6 @@ def test_tp2d_on_s3(bucket):
     assert summary["final_loss"] < summary["initial_loss"]
 
 
-def committed_batches(run_dir: str) -> dict[int, Counter]:
-    """As in test_e2e_fault_tolerance, read from the bucket: the batches that are in the
-    final model (what an attempt trained after the next attempt's resume point is undone)."""
-    by_attempt: dict[int, list[tuple[int, int]]] = {}
-    for name in storage.listdir(f"{run_dir}/samples"):
-        for line in storage.read_text(f"{run_dir}/samples/{name}").splitlines():
-            r = json.loads(line)
-            by_attempt.setdefault(r["attempt"], []).append((r["epoch"], r["batch"]))
-    attempts = [by_attempt[a] for a in sorted(by_attempt)]
-    committed: dict[int, Counter] = {}
-    for i, records in enumerate(attempts):
-        resumed_at = min(attempts[i + 1]) if i + 1 < len(attempts) else (1 << 30, 0)
-        for epoch, batch in records:
-            if (epoch, batch) < resumed_at:
-                committed.setdefault(epoch, Counter())[batch] += 1
-    return committed
-
-
 def test_fault_tolerance_on_s3_recovers_exactly_once(bucket):
     """The job that crashed on s3:// (plain open() of markers, attempts and sample logs)."""
     summary = ok(run_job("fault_tolerance", "max_steps=12", "checkpoint_every=4",
@@ -163,13 +149,11 @@ def test_fault_tolerance_on_s3_recovers_exactly_once(bucket):
     assert storage.listdir(f"{run_dir}/injected_failures") == ["1"]
     attempts = storage.read_text(f"{run_dir}/attempts.jsonl").splitlines()
     assert len(attempts) == 2
-    committed = committed_batches(run_dir)
-    total = 0
+    # The sample logs in the bucket: every sample in the final model was trained on once.
+    committed = committed_samples(run_dir)
     for epoch, counts in committed.items():
-        assert set(counts.values()) == {1}, f"epoch {epoch}: a batch was trained on twice"
-        assert sorted(counts) == list(range(len(counts))), f"epoch {epoch}: a batch was skipped"
-        total += len(counts)
-    assert total == 12 * 4  # 12 steps x 2 accumulation x 2 ranks' micro-batches
+        assert set(counts.values()) == {1}, f"epoch {epoch}: a sample was trained on twice"
+    assert sum(len(counts) for counts in committed.values()) == 12 * 32  # x global batch
 
 
 class Driver:

@@ -10,6 +10,7 @@ order and are held until their micro-batch is complete (at most about one chunk 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
@@ -38,6 +39,19 @@ def chunks_in_need_order(packed_chunk_rows: int, ids: np.ndarray) -> list[int]:
     return list(dict.fromkeys((ids // packed_chunk_rows).tolist()))
 
 
+# Bytes of chunk files per read task. Every task costs a scheduling round and often a worker
+# process start, and every rank's read competes with the others for Ray Data's share of the
+# cluster: one task per (tiny) chunk file made a smoke epoch's read take 30-45 s at 2 ranks
+# where one task takes 2-6 s. Large slices still stream, one ~64 MB task at a time.
+READ_TASK_BYTES = 64 << 20
+FOOTER_READERS = 2  # actors reading a slice's parquet footers (Ray Data's default: 32)
+
+
+def read_tasks(packed: PackedDataset, chunks: list[int]) -> int:
+    total = sum(packed.sizes[c] for c in chunks)
+    return max(1, min(len(chunks), -(-total // READ_TASK_BYTES)))
+
+
 def ray_rows(packed: PackedDataset, stats: list | None = None) -> RowSource:
     """Rows through Ray Data: the needed chunk files, in need order, ids filtered in the read."""
 
@@ -52,12 +66,15 @@ def ray_rows(packed: PackedDataset, stats: list | None = None) -> RowSource:
         paths = [storage.filesystem(packed.chunk_path(c))[1] for c in chunks]
         context = ray.data.DataContext.get_current()
         context.execution_options.preserve_order = True  # need order: a chunk at a time
+        # Ray Data 2.60 reads parquet footers on a pool of actors, 32 by default, started by
+        # every read_parquet: 32 processes per rank per epoch for a slice of a few files
+        # (seconds each on a busy node). read_parquet reads the size here, in this process.
+        os.environ.setdefault("RAY_DATA_PARQUET_FOOTER_NUM_ACTORS", str(FOOTER_READERS))
         # A small CPU share per read task: the training workers hold most of the node's CPUs
         # and a whole CPU per read can starve (the pipeline waits for resources forever).
-        # One block per chunk file asked for; Ray Data still reads ahead of training, so a run
-        # stopping mid-epoch has read more of its slice than it trained (README, "Data").
         ds = ray.data.read_parquet(paths, filesystem=fs, columns=["sample_id", "input_ids"],
-                                   num_cpus=0.1, override_num_blocks=len(paths))  # fmt: skip
+                                   num_cpus=0.1,
+                                   override_num_blocks=read_tasks(packed, chunks))  # fmt: skip
         ds = ds.filter(expr=col("sample_id").is_in(np.sort(ids).tolist()))
         for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=1):
             yield _rows_of(batch)
