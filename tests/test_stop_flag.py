@@ -16,8 +16,11 @@ def test_the_stop_flag_lives_on_the_driver_node_and_its_loss_is_not_fatal(ray_lo
     flag = preemption.start_stop_flag(cfg)
     try:
         name = preemption.stop_flag_name(cfg)
-        (actor,) = [a for a in ray.util.state.list_actors(filters=[("name", "=", name)])]
-        assert actor.node_id == ray.get_runtime_context().get_node_id()
+        context = ray.get_runtime_context()
+        # Our own GCS address: left to itself the state API refuses when other clusters run.
+        by_name = [("name", "=", name)]
+        (actor,) = ray.util.state.list_actors(address=context.gcs_address, filters=by_name)
+        assert actor.node_id == context.get_node_id()
 
         check = preemption.StopCheck(cfg, rank=0, drain_every=1)
         flag.set.remote()
