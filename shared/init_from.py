@@ -12,7 +12,8 @@ What carries over:
     readers) and loaded into the plain model before the strategy wraps (and shards) it;
   * optimizer and LR-scheduler state only when the target reads the source's format itself:
     ddp -> ddp (``model.pt``), fsdp -> fsdp (DCP reshards to any world size), zero -> zero
-    with the same ``zero_stage`` and world size (DeepSpeed's partitions). Every other pair,
+    with the same ``zero_stage`` (another world size through DeepSpeed's universal format,
+    shared/parallel/zero.py). Every other pair,
     and an export, starts a fresh AdamW (its moments rebuild within a few steps);
   * step counter, data position and RNG from a checkpoint's train state
     (:func:`source_train_state`); the LR schedule continues at that step. An export has no
@@ -254,9 +255,8 @@ def carries_optimizer(cfg, source: Source) -> bool:
     """Whether this run's strategy reads the source's optimizer state itself (module doc)."""
     if source.kind != "checkpoint" or source.job != cfg.job:
         return False
-    if cfg.job == "zero":
-        return (source.settings.get("zero_stage") == cfg.zero_stage
-                and source.world_size == cfg.num_workers)  # fmt: skip
+    if cfg.job == "zero":  # another world size goes through DeepSpeed's universal format
+        return source.settings.get("zero_stage") == cfg.zero_stage
     return True
 
 

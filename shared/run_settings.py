@@ -40,12 +40,6 @@ GENERATED_DATA = {
     "seed": "the generated dataset (dataset is empty) depends on it",
     "smoke_rows": "the generated dataset (dataset is empty) depends on it",
 }
-# DeepSpeed partitions the ZeRO optimizer state (and at stage 3 the weights) over the ranks
-# that wrote it and loads it only on as many: a ZeRO run resumes at its own world size.
-ZERO_LAYOUT = {
-    "num_workers": "DeepSpeed loads a ZeRO checkpoint only on the number of ranks that wrote it "
-    "(start a new run from it with init_from: weights carry over, optimizer state starts fresh)"
-}
 # A different world size is fine as long as the global batch stays (grad_accum adapts).
 BATCH = {"global_batch_size": "a step and the data position mean that many sequences"}
 # Who a run is, not how it trains: never compared.
@@ -56,8 +50,6 @@ def contract(cfg) -> dict[str, tuple[Any, str]]:
     """{setting: (value, why a change is refused)} for this config."""
     terms = {name: (getattr(cfg, name), why) for name, why in INVALIDATING.items()
              if hasattr(cfg, name)}  # fmt: skip
-    if hasattr(cfg, "zero_stage"):
-        terms |= {name: (getattr(cfg, name), why) for name, why in ZERO_LAYOUT.items()}
     if not getattr(cfg, "dataset", "x"):
         terms |= {name: (getattr(cfg, name), why) for name, why in GENERATED_DATA.items()}
     # An elastic job that keeps the checkpoint's global batch (jobs/fault_tolerance) adapts

@@ -182,6 +182,36 @@ def test_ddp_checkpoint_from_one_rank_resumes_on_two(runs, storage):
     assert losses(two)[16] == pytest.approx(losses(runs["ddp"])[16], rel=1e-4)
 
 
+def test_zero3_resumes_on_one_rank_then_on_two_through_the_universal_format(runs, storage):
+    """DeepSpeed loads its own checkpoint only on as many ranks as wrote it; a ZeRO-3 run
+    that changes its world size goes through the universal format, both ways: 2 ranks to
+    step 6, 1 rank (4 micro-batches) to step 11, 2 ranks to step 16."""
+    run, common = "zero3-resize", ("zero", "zero_stage=3", *STEPS, "log_samples=true")
+    ok(run_job(*common, f"run_name={run}", "stop_at_step=6", storage=storage))
+    shrink = run_job(*common, f"run_name={run}", "stop_at_step=11", "num_workers=1",
+                     "grad_accum=4", storage=storage)  # fmt: skip
+    one = ok(shrink)
+    assert "ZeRO checkpoint of world size 2 loaded at world size 1" in shrink.stdout
+    grow = run_job(*common, f"run_name={run}", storage=storage)
+    two = ok(grow)
+    assert "ZeRO checkpoint of world size 1 loaded at world size 2" in grow.stdout
+    assert (one["resumed_from_step"], one["steps"]) == (6, 11)
+    assert (two["world_size"], two["resumed_from_step"], two["steps"]) == (2, 11, 16)
+    # Each sample of the first 16 global batches once, the uninterrupted run's, read once.
+    committed = committed_samples(two["run_dir"])
+    assert sum(len(c) for c in committed.values()) == 16 * 32
+    assert all(set(c.values()) == {1} for c in committed.values())
+    assert committed == committed_samples(runs["zero3"]["run_dir"])
+    assert two["data_rows_trained"] == 5 * 32 and two["data_read_amplification"] <= 1.05
+    # Model, optimizer moments and schedule carried across both resizes: the uninterrupted
+    # run's losses up to fp32 summation order.
+    uninterrupted, resized = losses(runs["zero3"]), losses(two)
+    assert one["attempt_initial_loss"] == pytest.approx(uninterrupted[7], rel=1e-4)
+    assert [resized[s] for s in range(12, 17)] == pytest.approx(
+        [uninterrupted[s] for s in range(12, 17)], rel=1e-4
+    )
+
+
 def assert_resized_run_trained_the_uninterrupted_samples(resized: dict, reference: dict):
     """Across the resize: each sample of the epoch's first 16 global batches exactly once,
     the same ones as the uninterrupted run, and the resumed part read each row once."""

@@ -13,8 +13,15 @@ Ray Train (or torchrun) already created.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import glob
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
 import warnings
 
 import torch
@@ -132,11 +139,47 @@ class ZeroStrategy(Strategy):
         self.model.save_checkpoint(directory, tag=ENGINE_TAG)
 
     def load(self, directory: str) -> None:
+        """Every rank loads its partitions. A checkpoint written by another number of ranks
+        goes through DeepSpeed's universal format first (one file per parameter, repartitioned
+        on load): the resume contract lets a ZeRO run change its world size, like fsdp."""
+        written_by = saved_world_size(os.path.join(directory, ENGINE_TAG))
+        if written_by in (0, self.model.dp_world_size):  # 0: stage 0 keeps no partitions
+            self._load(directory, ENGINE_TAG)
+            return
+        started = time.perf_counter()
+        with universal_checkpoint(os.path.join(directory, ENGINE_TAG)) as (parent, tag):
+            self._load_universal(parent, tag)
+        if self.model.global_rank == 0:
+            print(f"ZeRO checkpoint of world size {written_by} loaded at world size "
+                  f"{self.model.dp_world_size} through DeepSpeed's universal format "
+                  f"({time.perf_counter() - started:.1f} s)", flush=True)  # fmt: skip
+
+    def _load(self, directory: str, tag: str) -> None:
         path, _ = self.model.load_checkpoint(
-            directory, tag=ENGINE_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+            directory, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
         )
         if path is None:
-            raise RuntimeError(f"DeepSpeed found no checkpoint '{ENGINE_TAG}' in {directory}")
+            raise RuntimeError(f"DeepSpeed found no checkpoint '{tag}' in {directory}")
+
+    def _load_universal(self, directory: str, tag: str) -> None:
+        # DeepSpeed reads `checkpoint.load_universal` from its config only while loading, so
+        # it is switched on for this load instead of for the whole run.
+        optimizer = self.model.optimizer.optimizer  # the torch AdamW inside ZeRO's wrapper
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        self.model._config.load_universal_checkpoint = True
+        try:
+            self._load(directory, tag)
+        finally:
+            self.model._config.load_universal_checkpoint = False
+        # Two defects of DeepSpeed 0.19.8's universal load, each of which changes the next
+        # update (tests/test_zero_universal.py): every param group gets the first group's
+        # hyperparameters (our no-decay group would decay), and every group's state gets the
+        # same `step` tensor, which AdamW then increments once per group per step.
+        for group, before in zip(optimizer.param_groups, groups, strict=True):
+            group.update({k: v for k, v in before.items() if k != "lr"})  # lr: the schedule's
+        for state in optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
 
     def model_state_bytes(self) -> dict[str, int]:
         """What this rank holds, read from DeepSpeed's own buffers.
@@ -170,6 +213,37 @@ class ZeroStrategy(Strategy):
             "optimizer": tensor_bytes(optimizer_tensors),
             "master_params": tensor_bytes(masters),
         }
+
+
+def saved_world_size(engine_dir: str) -> int:
+    """Ranks that wrote a DeepSpeed checkpoint: one optimizer partition file each (stages
+    1-3; stage 0 writes none and loads on any number of ranks)."""
+    return len(glob.glob(os.path.join(engine_dir, "*zero_pp_rank_*_optim_states.pt")))
+
+
+@contextlib.contextmanager
+def universal_checkpoint(engine_dir: str):
+    """(directory, tag) of ``engine_dir`` converted to DeepSpeed's universal format, in a
+    temporary directory of this rank's (removed afterwards).
+
+    Each rank converts for itself, as each rank downloads the checkpoint for itself: no
+    shared disk is assumed. A resize is rare and the conversion costs about what the
+    download does; for a large model convert once with the same command and start from it.
+    """
+    parent = tempfile.mkdtemp(prefix="zero-universal-")
+    tag = "universal"
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+           "--input_folder", engine_dir, "--output_folder", os.path.join(parent, tag),
+           "--num_extract_workers", "1", "--num_merge_workers", "1",
+           "--inject_missing_state"]  # fmt: skip
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"DeepSpeed could not convert {engine_dir} to its universal "
+                               f"format:\n{(done.stderr or done.stdout)[-3000:]}")  # fmt: skip
+        yield parent, tag
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
 
 
 def _held_grad_bytes(strategy: ZeroStrategy) -> int:
