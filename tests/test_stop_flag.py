@@ -7,6 +7,7 @@ import time
 from types import SimpleNamespace
 
 import ray
+from ray.util.state import list_actors
 
 from shared import preemption
 
@@ -19,7 +20,7 @@ def test_the_stop_flag_lives_on_the_driver_node_and_its_loss_is_not_fatal(ray_lo
         context = ray.get_runtime_context()
         # Our own GCS address: left to itself the state API refuses when other clusters run.
         by_name = [("name", "=", name)]
-        (actor,) = ray.util.state.list_actors(address=context.gcs_address, filters=by_name)
+        (actor,) = list_actors(address=context.gcs_address, filters=by_name)
         assert actor.node_id == context.get_node_id()
 
         check = preemption.StopCheck(cfg, rank=0, drain_every=1)
@@ -30,6 +31,11 @@ def test_the_stop_flag_lives_on_the_driver_node_and_its_loss_is_not_fatal(ray_lo
             time.sleep(0.2)
 
         ray.kill(flag)  # what losing the driver's node did to a flag placed elsewhere
+        # ray.kill is asynchronous: until the actor is dead it may still answer "stop asked".
+        deadline = time.time() + 30
+        while list_actors(address=context.gcs_address, filters=by_name)[0].state != "DEAD":
+            assert time.time() < deadline
+            time.sleep(0.2)
         check._next_poll = 0.0
         deadline = time.time() + 30
         while check._flag is not None:
