@@ -125,6 +125,8 @@ class RaySession:
         """Read ``batch_size`` sequences per micro-batch (elastic: chosen per world size)."""
         self.batch_size = batch_size
         self.samples_per_micro_batch = batch_size * self.world_size
+        if self._reader is not None:
+            self._reader.close()  # its early read is for the old batch size
         self._reader = None
 
     @property

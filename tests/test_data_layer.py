@@ -131,3 +131,51 @@ def test_a_ranks_read_is_a_few_large_tasks_not_one_per_chunk_file():
     big = packed(1000, 4 << 20)  # 4 GB of 4 MB chunk files: ~64 MB per task
     assert read_tasks(big, list(range(1000))) == -(-1000 * (4 << 20) // READ_TASK_BYTES) == 63
     assert read_tasks(big, [5]) == 1
+
+
+def test_the_next_epochs_read_starts_during_this_epoch_and_trains_the_same_rows():
+    """Each epoch's read used to start only when the loop asked for the epoch, so every epoch
+    boundary stalled a rank for as long as a Ray Data read takes to start (3-9 s here)."""
+    reads = []
+
+    def rows(ids):
+        reads.append(len(ids))
+        yield from memory_rows(BLOCKS, CHUNK)(ids)
+
+    g, usable = 16, usable_samples(N, 16)
+    r = EpochReader(rows, N, CHUNK, 7, reader=1, readers=2, batch=8, global_batch=g)
+    fresh = EpochReader(memory_rows(BLOCKS, CHUNK), N, CHUNK, 7, reader=1, readers=2, batch=8,
+                        global_batch=g)  # fmt: skip
+    stop = usable + 3 * g  # the loop's stop: the whole of epoch 0 and 3 steps of epoch 1
+    want = list(fresh.micro_batches(1, 0, stop - usable))
+    epoch0 = r.micro_batches(0, 0, stop)
+    next(epoch0)
+    # epoch 1's read is under way from epoch 0's first batch on, for exactly its rows
+    assert r._read_ahead is not None
+    assert r._read_ahead.ids.tolist() == np.concatenate([i for _, i, _ in want]).tolist()
+    assert len(list(epoch0)) == usable // g - 1
+    r._read_ahead._thread.join(timeout=10)
+    assert reads == [usable // 2, 24]  # read ahead while no one waited on it
+    second = list(r.micro_batches(1, 0, stop - usable))
+    assert reads == [usable // 2, 24] and r.reads_started_early == 1  # not read again
+    # the early read handed over exactly what a fresh read gives, rows matching ids
+    assert [(p, i.tolist(), b.tolist()) for p, i, b in second] == [
+        (p, i.tolist(), b.tolist()) for p, i, b in want
+    ]
+    assert r.rows_read == r.rows_trained == usable // 2 + 24
+
+
+def test_an_early_read_nobody_asks_for_is_stopped():
+    """A different call (another batch size, an abandoned epoch) cancels the early read, and
+    its rows are never counted as read."""
+    g, usable = 16, usable_samples(N, 16)
+    r = reader(0, 1, 16, g)
+    epoch = r.micro_batches(0, 0, usable + g)
+    next(epoch)
+    early = r._read_ahead
+    assert early is not None
+    epoch.close()  # abandoned mid-epoch (e.g. preemption)
+    assert r._read_ahead is None
+    early._thread.join(timeout=10)
+    assert not early._thread.is_alive()
+    assert r.rows_read == 16 and r.reads_started_early == 0

@@ -177,7 +177,7 @@ def test_ddp_run_is_observable(ddp_runs):
     assert f"data pipeline stats: {run_dir / 'data_stats.txt'}" in second.stdout
     stats = (run_dir / "data_stats.txt").read_text()
     # The training read: this rank's chunk files of the packed dataset (packing ran earlier).
-    assert "ReadFiles" in stats and "Dataset throughput" in stats
+    assert "MapBatches(read_packed_chunks)" in stats and "Dataset throughput" in stats
 
 
 def test_env_check_reports_topology_bandwidth_and_matmul(tmp_path):

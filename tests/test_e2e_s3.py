@@ -67,7 +67,7 @@ def test_ddp_on_s3_writes_every_run_file_to_the_bucket(ddp_runs, bucket):
     assert state["step"] == 8 and state["world_size"] == 2
     # Observability: loss curve, data stats, TensorBoard events and profiler traces uploaded.
     assert storage.read_bytes(f"{run_dir}/loss_curve.png")[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "ReadFiles" in storage.read_text(f"{run_dir}/data_stats.txt")
+    assert "MapBatches(read_packed_chunks)" in storage.read_text(f"{run_dir}/data_stats.txt")
     events = storage.listdir(f"{run_dir}/tensorboard")
     assert events and all(name.startswith("events.out.tfevents.") for name in events)
     for rank in (0, 1):
