@@ -210,14 +210,13 @@ class EpochReader:
         return list(reader_micro_batches(self.order(epoch), start, end, self.reader,
                                          self.readers, self.batch))  # fmt: skip
 
-    def _next_epoch_ids(self, epoch: int, stop: int | None) -> np.ndarray | None:
-        """The ids the next epoch's call will ask for: the training loop asks for
-        ``(epoch + 1, 0, stop - end)`` when this epoch ends before ``stop``."""
-        end = usable_samples(self.num_samples, self.global_batch)
-        if stop is None or stop <= end:
-            return None
-        plan = self.plan(epoch + 1, 0, stop - end)
-        return np.concatenate([ids for _, ids in plan]) if plan else None
+    def read_ahead(self, epoch: int, start: int, stop: int | None) -> None:
+        """Start reading what ``micro_batches(epoch, start, stop)`` will ask for (a guess: a
+        different call cancels it)."""
+        self.close()
+        plan = self.plan(epoch, start, stop)
+        if plan:
+            self._read_ahead = ReadAhead(self.rows, np.concatenate([ids for _, ids in plan]))
 
     def _rows_for(self, ids: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         early, self._read_ahead = self._read_ahead, None
@@ -244,15 +243,17 @@ class EpochReader:
             return
         held: dict[int, np.ndarray] = {}
         rows = self._rows_for(np.concatenate([ids for _, ids in plan]))
-        next_ids = self._next_epoch_ids(epoch, stop)
+        # The training loop asks for (epoch + 1, 0, stop - end) when this epoch ends first.
+        end = usable_samples(self.num_samples, self.global_batch)
+        goes_on = stop is not None and stop > end
         try:
             for n, (position, ids) in enumerate(plan, start=1):
                 while any(i not in held for i in ids.tolist()):
                     got_ids, got_tokens = next(rows)
                     self.rows_read += len(got_ids)
                     held.update(zip(got_ids.tolist(), got_tokens, strict=True))
-                if n == 1 and next_ids is not None:
-                    self._read_ahead = ReadAhead(self.rows, next_ids)
+                if n == 1 and goes_on:
+                    self.read_ahead(epoch + 1, 0, stop - end)
                 if n == len(plan):
                     # Finish the read before the last batch: the loop stops at its last step
                     # without asking for more, and a read left suspended never records its
