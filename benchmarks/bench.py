@@ -291,6 +291,18 @@ def ms(seconds: float) -> str:
     return f"{1e3 * seconds:.1f}"
 
 
+# Everything after this line in docs/benchmarks.md is written by people (what the numbers
+# mean, which levers helped and which did not) and survives a regeneration.
+NOTES_MARKER = "<!-- Hand-written below this line: bench.py keeps it when it rewrites the file. -->"
+
+
+def with_kept_notes(generated: str, previous: str) -> str:
+    """The generated report, followed by the previous file's hand-written part (if any)."""
+    if NOTES_MARKER not in previous:
+        return generated
+    return generated + "\n" + NOTES_MARKER + previous.split(NOTES_MARKER, 1)[1]
+
+
 def render_markdown(rows: list[dict], info: dict, bench: Bench, args, chart: str) -> str:
     by_label = {r["label"]: r for r in rows}
     lines = [
@@ -341,8 +353,8 @@ def render_markdown(rows: list[dict], info: dict, bench: Bench, args, chart: str
             "",
             f"- Step time: {ms(ray_row['step_median_s'])} ms under Ray Train vs "
             f"{ms(torchrun_row['step_median_s'])} ms under torchrun (medians): ratio "
-            f"**{ratio:.2f}**. The step time includes waiting for the next batch (Ray Data's "
-            "streaming shard vs tensors already in memory).",
+            f"**{ratio:.2f}**. The step time includes waiting for the next batch (each rank's Ray "
+            "Data read vs the same reader over tensors already in memory).",
             f"- Start-up: {ray_row['time_to_first_step_s']:.1f} s from launch to the end of the "
             f"first step under Ray Train (start a local cluster, generate/read the data, "
             f"schedule the worker group) vs {torchrun_row['time_to_first_step_s']:.1f} s under "
@@ -421,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     save_bar_chart(str(chart), [r["label"] for r in rows], [r["tokens_per_s"] for r in rows],
                    title=f"tokens/s per strategy ({info['cores']} CPU cores, fp32, gloo)",
                    ylabel="tokens/s (median of runs)")  # fmt: skip
-    out.write_text(render_markdown(rows, info, bench, args, chart.name))
+    previous = out.read_text() if out.exists() else ""
+    out.write_text(with_kept_notes(render_markdown(rows, info, bench, args, chart.name), previous))
     numbers = {"machine": info, "rows": rows,
                "ray_vs_torchrun": ray_vs_torchrun(rows, bench.results),
                "failures": bench.failures, "skipped": bench.skipped}  # fmt: skip

@@ -45,3 +45,12 @@ def test_the_json_has_per_variant_medians_paired_ratios_and_the_startup_breakdow
     text = bench.render_markdown(rows, info, bench_state, args, "chart.png")
     assert "| cluster_start | 5.00 | - |" in text and "| worker_group_start | - | 2.50 |" in text
     assert "repeat 0: 42.0 vs 40.0 ms = 1.05" in text
+
+
+def test_a_regenerated_report_keeps_the_hand_written_notes():
+    """docs/benchmarks.md explains where the time went; `make bench` must not erase that."""
+    notes = "\n## Where the time went\n\nthe reasons\n"
+    previous = "# old numbers\n\n" + bench.NOTES_MARKER + notes
+    new = bench.with_kept_notes("# new numbers\n", previous)
+    assert new == "# new numbers\n\n" + bench.NOTES_MARKER + notes
+    assert bench.with_kept_notes("# new numbers\n", "# no notes\n") == "# new numbers\n"
