@@ -6,6 +6,7 @@ import json
 import math
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -248,5 +249,6 @@ def test_ray_train_gets_a_report_per_checkpoint_not_per_progress_line(tmp_path, 
     session = RecordingSession(rank_batches(data, 8, 0, 1), str(tmp_path / "ckpt"), 8, 0, 1)
     train(cfg, strategy, session)
     assert reports == [(5, True), (10, True)]
-    rows = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
+    metrics = Path(cfg.run_dir, "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in metrics]
     assert [r["step"] for r in rows] == list(range(1, 11))  # every step is still recorded
