@@ -163,12 +163,12 @@ def _tracker(cfg, strategy: Strategy, session: Session) -> StepMetrics:
 
 def _after_step(cfg, strategy, session, state: TrainState, tracker: StepMetrics, row: dict,
                 resumed_from: int | None) -> None:  # fmt: skip
-    """Progress line, then a checkpoint every N steps and at the end.
+    """Progress line, then either a checkpoint (every N steps and at the end) or a report.
 
-    Metrics go to Ray Train only with a checkpoint (metrics.jsonl, TensorBoard and the
-    progress line have every step). A metrics-only ``ray.train.report`` is a barrier across
-    ranks plus a one-slot result queue that Ray Train's controller empties once per poll (2 s):
-    reporting every ``log_every`` steps made a 30-step smoke run wait ~6 s in reports."""
+    The metrics-only report costs up to Ray Train's 2 s controller poll (a one-slot result
+    queue), but it is also what makes the previous checkpoint registered before training goes
+    on: without it, a worker lost a few steps after a checkpoint took the unconsumed
+    checkpoint report with it and the restart began from scratch."""
     last = state.step == cfg.last_step
     if session.rank == 0 and (state.step % cfg.log_every == 0 or state.step == 1 or last):
         print(tracker.progress_line(row), flush=True)
@@ -178,6 +178,8 @@ def _after_step(cfg, strategy, session, state: TrainState, tracker: StepMetrics,
         if last:  # the driver reads the run's summary from the last checkpoint's metrics
             metrics |= run_summary(tracker, strategy, session, state, resumed_from)
         save_and_report(cfg, strategy, session, state, metrics)
+    elif state.step % cfg.log_every == 0:
+        session.report(row)
 
 
 def checkpoint_due(cfg, step: int) -> bool:

@@ -6,7 +6,6 @@ import json
 import math
 import os
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -228,27 +227,3 @@ def test_initial_loss_is_the_runs_first_step_also_after_a_resume(tmp_path, block
     resumed, _, _ = run(cfg, data, spec, str(resumed_root))
     assert resumed["initial_loss"] == first["initial_loss"] == first["attempt_initial_loss"]
     assert resumed["attempt_initial_loss"] < first["initial_loss"] - 0.3
-
-
-def test_ray_train_gets_a_report_per_checkpoint_not_per_progress_line(tmp_path, blocks):
-    """Each ray.train.report is a barrier plus a one-slot queue Ray Train's controller empties
-    every 2 s: a metrics-only report every log_every steps stalled training in the queue."""
-    data, spec = blocks
-    reports = []
-
-    class RecordingSession(TorchrunSession):
-        def report(self, metrics, checkpoint_dir=None):
-            reports.append((metrics["step"], checkpoint_dir is not None))
-            super().report(metrics, checkpoint_dir)
-
-    cfg = make_cfg(tmp_path, max_steps=10, checkpoint_every=5, log_every=2)
-    seed_everything(cfg.seed)
-    model = build_gpt2(cfg.model, spec["vocab_size"], SEQ, eos_token_id=spec["eos_token_id"])
-    strategy = DDPStrategy(apply_ddp(model, torch.device("cpu")), cfg, torch.device("cpu"),
-                           torch.float32)  # fmt: skip
-    session = RecordingSession(rank_batches(data, 8, 0, 1), str(tmp_path / "ckpt"), 8, 0, 1)
-    train(cfg, strategy, session)
-    assert reports == [(5, True), (10, True)]
-    metrics = Path(cfg.run_dir, "metrics.jsonl").read_text().splitlines()
-    rows = [json.loads(line) for line in metrics]
-    assert [r["step"] for r in rows] == list(range(1, 11))  # every step is still recorded
