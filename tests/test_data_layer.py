@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -179,3 +182,17 @@ def test_an_early_read_nobody_asks_for_is_stopped():
     early._thread.join(timeout=10)
     assert not early._thread.is_alive()
     assert r.rows_read == 16 and r.reads_started_early == 0
+
+
+def test_ray_data_read_tasks_import_no_torch():
+    """Ray Data's read tasks unpickle the reader's functions in fresh task processes: importing
+    torch there (1.7 s) delayed every run's first batch by as much."""
+    probe = "import sys, shared.data.reader; print('torch' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert out.stdout.strip() == "False"

@@ -13,13 +13,16 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from shared import storage
 from shared.data.order import epoch_order, reader_micro_batches, usable_samples
 from shared.data.packing import PackedDataset
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: Ray Data's read tasks need none
+    import torch
 
 RowSource = Callable[[np.ndarray], Iterable[tuple[np.ndarray, np.ndarray]]]
 
@@ -122,6 +125,7 @@ def arrow_rows(packed: PackedDataset) -> RowSource:
 
 def memory_rows(blocks: torch.Tensor, chunk_rows: int) -> RowSource:
     """Rows of an in-memory ``[N, seq_len]`` tensor (sample_id = row index): unit tests."""
+    import torch
 
     def read(ids: np.ndarray):
         for chunk in chunks_in_need_order(chunk_rows, ids):
@@ -238,6 +242,8 @@ class EpochReader:
     ) -> Iterator[tuple[int, np.ndarray, torch.Tensor]]:
         """(first position, sample ids, input_ids) from position ``start`` to ``stop`` or the
         epoch's end, whichever comes first; rows past ``stop`` are never read."""
+        import torch
+
         plan = self.plan(epoch, start, stop)
         if not plan:
             return

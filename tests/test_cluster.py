@@ -1,0 +1,41 @@
+"""shared/cluster.py settings that Ray Train reads from the driver's environment."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from conftest import REPO
+
+from shared.cluster import controller_poll_interval_s
+
+POLL = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+
+
+def test_the_controller_polls_often_on_small_clusters_and_at_rays_default_on_large_ones():
+    """A worker's ray.train.report waits for the controller's next poll: Ray's 2 s default
+    cost the 30-step smoke run 10 s. A poll is one RPC per worker, so it slows with size."""
+    assert controller_poll_interval_s(2) == 0.2
+    assert controller_poll_interval_s(64) == 0.64
+    assert controller_poll_interval_s(400) == 2.0
+
+
+def test_a_run_sets_the_poll_interval_before_fit(ray_local):
+    assert os.environ[POLL] == str(controller_poll_interval_s(2))
+
+
+def interval_after_a_run_setup(user_value: str | None) -> str:
+    code = ("import os; from shared.cluster import use_controller_poll_interval as use; "
+            "use(num_workers=2); print(os.environ['%s'])" % POLL)  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != POLL}
+    if user_value is not None:
+        env[POLL] = user_value
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True,
+                         text=True, check=True)  # fmt: skip
+    return out.stdout.strip()
+
+
+def test_the_users_poll_interval_wins():
+    assert interval_after_a_run_setup(None) == "0.2"
+    assert interval_after_a_run_setup("5") == "5"
