@@ -27,7 +27,7 @@ def test_a_run_sets_the_poll_interval_before_fit(ray_local):
 
 def interval_after_a_run_setup(user_value: str | None) -> str:
     code = ("import os; from shared.cluster import use_controller_poll_interval as use; "
-            "use(num_workers=2); print(os.environ['%s'])" % POLL)  # fmt: skip
+            f"use(num_workers=2); print(os.environ['{POLL}'])")  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != POLL}
     if user_value is not None:
         env[POLL] = user_value
