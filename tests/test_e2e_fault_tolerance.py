@@ -17,6 +17,8 @@ from conftest import REPO, job_env, run_job
 from observability_checks import assert_held_out_loss_fell
 from sample_log import committed_samples
 
+from shared.resume import registered_checkpoints
+
 pytestmark = pytest.mark.e2e
 
 # ~20 steps per epoch: 12 steps stay inside epoch 0, so every failure is mid-epoch.
@@ -104,6 +106,13 @@ def test_world_size_changes_consume_each_sample_exactly_once(reference, storage)
         torch.testing.assert_close(got[k], expected[k], rtol=1e-4, atol=1e-4)
 
 
+def registered(run_dir: Path) -> list[str]:
+    try:
+        return registered_checkpoints(str(run_dir)) or []
+    except ValueError:  # the snapshot is being rewritten
+        return []
+
+
 def test_killed_driver_resumes_when_the_command_is_rerun(reference, storage):
     cmd = [sys.executable, str(REPO / "jobs/fault_tolerance/main.py"), f"storage_path={storage}",
            *COMMON, "fail_at_step=0", "run_name=driver", "sleep_per_step=0.5"]  # fmt: skip
@@ -111,11 +120,13 @@ def test_killed_driver_resumes_when_the_command_is_rerun(reference, storage):
     proc = subprocess.Popen(cmd, cwd=REPO, env=job_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
     try:
+        # Kill once Ray Train has registered a checkpoint (its run snapshot lists it): files
+        # in storage alone are never resumed from. A fixed wait after the files appeared was
+        # too short when the machine was busy.
         deadline = time.time() + 300
-        while not (run_dir / "step_000004" / "train_state.json").exists():
-            assert proc.poll() is None and time.time() < deadline, "no checkpoint at step 4"
-            time.sleep(0.5)
-        time.sleep(3)  # let Ray Train register it (the controller polls every ~2 s)
+        while not registered(run_dir):
+            assert proc.poll() is None and time.time() < deadline, "no registered checkpoint"
+            time.sleep(0.2)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the driver and the local cluster it started
         proc.wait()
