@@ -41,17 +41,10 @@ def eval_due(cfg, step: int) -> bool:
 def _texts_for_validation(cfg, source) -> list[str]:
     import pyarrow.parquet as pq
 
-    from shared.data.source import _dataset_filesystem, expand_pattern, generate_news_rows
+    from shared.data.source import _dataset_filesystem, generate_news_rows, parquet_files
 
     if cfg.eval_dataset:
-        fs, path = _dataset_filesystem(cfg.eval_dataset)
-        if cfg.eval_dataset.startswith("hf://") and "*" in path:
-            from huggingface_hub import HfFileSystem
-
-            files = expand_pattern(path, HfFileSystem())
-        else:
-            files = expand_pattern(path)
-        files = files if isinstance(files, list) else [files]
+        fs, files = parquet_files(cfg.eval_dataset)  # a file, a directory or a split's pattern
         texts: list[str] = []
         for file in files:
             table = pq.read_table(file, filesystem=fs, columns=[cfg.text_column])

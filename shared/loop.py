@@ -211,15 +211,15 @@ def weights_finite(strategy: Strategy) -> bool:
     return True
 
 
-def nonfinite_reason(cfg, strategy: Strategy, row: dict) -> str:
+def nonfinite_reason(strategy: Strategy, row: dict, saving: bool) -> str:
     """Why this step diverged on this rank ('' if it did not). Loss and gradient norm are
-    already global (all-reduced); weights are checked before a checkpoint would be written."""
+    already global (all-reduced); weights are checked when this step writes a checkpoint."""
     checked = {"loss": row["loss"]}
     # fp16 loss scaling skips steps whose gradients overflowed: an inf norm there is expected.
     if strategy.dtype != torch.float16 and row["grad_norm"] is not None:
         checked["grad_norm"] = row["grad_norm"]
     bad = [f"{name} {value}" for name, value in checked.items() if not math.isfinite(value)]
-    if not bad and checkpoint_due(cfg, row["step"]) and not weights_finite(strategy):
+    if not bad and saving and not weights_finite(strategy):
         bad.append("non-finite weights")
     return ", ".join(bad)
 
@@ -247,24 +247,19 @@ def stop_diverged(cfg, strategy, session, state: TrainState, tracker: StepMetric
     return summary
 
 
-def _stop_for_preemption(cfg, strategy, session, state, tracker, row, resumed_from,
-                         stop: preemption.StopCheck) -> bool:  # fmt: skip
-    """A SIGTERM to any worker or to the driver: this step's checkpoint, then stop (True)."""
-    if state.step == cfg.last_step or not stop.stop():
-        return False
+def _save_for_preemption(cfg, strategy, session, state, tracker, row, resumed_from) -> None:
+    """A SIGTERM to any worker or to the driver: this step's checkpoint, then the run stops."""
     metrics = {**row, **run_summary(tracker, strategy, session, state, resumed_from),
                "preempted_at_step": state.step}  # fmt: skip
     save_and_report(cfg, strategy, session, state, metrics)
-    return True
 
 
-def _checkpoint_before_node_drain(cfg, strategy, session, state, row, stop) -> None:
+def _save_for_node_drain(cfg, strategy, session, state, row) -> None:
     """A node drain notice from Ray: a just-in-time checkpoint, and keep training (Ray Train
     restarts the group from it when the node goes)."""
-    if stop.node_draining(state.step) and not checkpoint_due(cfg, state.step):
-        if session.rank == 0:
-            print(f"node drain (preemption) notice: checkpoint at step {state.step}", flush=True)
-        save_and_report(cfg, strategy, session, state, row)
+    if session.rank == 0:
+        print(f"node drain (preemption) notice: checkpoint at step {state.step}", flush=True)
+    save_and_report(cfg, strategy, session, state, row)
 
 
 class RankZeroOutputs:
@@ -398,12 +393,18 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
                 state.initial_loss = row["loss"]
             profiler.step_finished(state.step)
             outputs.step(row)
-            reason = nonfinite_reason(cfg, strategy, row)
+            # Which checkpoint this step writes, if any: a regular one, one for a stop
+            # (SIGTERM to a worker or the driver) or a just-in-time one for a node drain.
+            due = checkpoint_due(cfg, state.step)
+            preempted = state.step != cfg.last_step and stop.stop()
+            drain_save = not preempted and stop.node_draining(state.step) and not due
+            saving = due or preempted or drain_save
+            reason = nonfinite_reason(strategy, row, saving)
             # Loss and gradient norm are global, so every rank reaches the same verdict on
-            # them; only the weights check (checkpoint steps, each rank its own shard) needs a
+            # them; only the weights check (saving steps, each rank its own shard) needs a
             # vote, which keeps a collective out of every other step.
             diverged = bool(reason)
-            if checkpoint_due(cfg, state.step):
+            if saving:
                 diverged = any_rank(diverged, session.device)
             if diverged:
                 preemption.training(False)
@@ -412,14 +413,14 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
                                         resumed_from, last_saved)  # fmt: skip
                 outputs.finish(tracker)
                 return summary
-            preempted = _stop_for_preemption(cfg, strategy, session, state, tracker, row,
-                                             resumed_from, stop)  # fmt: skip
             if preempted:
+                _save_for_preemption(cfg, strategy, session, state, tracker, row, resumed_from)
                 break
             _after_step(cfg, strategy, session, state, tracker, row, resumed_from)
-            if checkpoint_due(cfg, state.step):
+            if due:
                 last_saved = state.step
-            _checkpoint_before_node_drain(cfg, strategy, session, state, row, stop)
+            if drain_save:
+                _save_for_node_drain(cfg, strategy, session, state, row)
             micro, loss_sum, data_wait = 0, torch.zeros((), device=session.device), 0.0
             step_start = time.perf_counter()
         if seen_in_epoch == 0:

@@ -91,6 +91,25 @@ def test_second_run_reuses_the_packed_dataset_and_killed_writes_are_never_used(
         check_enough_samples(first, 100_000)
 
 
+def test_a_split_pattern_packs_only_that_splits_rows(ray_local, corpus, tmp_path):
+    """tp2d's full profile reads Wikitext's train-*.parquet beside validation-* and test-*."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    splits = tmp_path / "splits"
+    splits.mkdir()
+    shutil.copy(corpus.dataset, splits / "train-00000-of-00001.parquet")
+    other = pa.table({"text": ["held out text that must not be packed"] * 400})
+    pq.write_table(other, splits / "validation-00000-of-00001.parquet")
+    cfg = DataSettings(str(tmp_path / "runs"))
+    alone = packed_dataset(corpus, cfg, log=lambda line: None)
+    split = TextSource(dataset=str(splits / "train-*.parquet"), tokenizer=corpus.tokenizer)
+    packed = packed_dataset(split, cfg, log=lambda line: None)
+    assert packed.path != alone.path and packed.num_samples == alone.num_samples
+
+
 def test_a_driver_killed_while_packing_leaves_nothing_the_next_run_uses(tmp_path):
     """SIGKILL the ddp driver (and the local cluster it started) while its Ray Data pass is
     writing chunk files: the rerun packs again from scratch and trains."""

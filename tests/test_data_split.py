@@ -8,7 +8,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from ci import jobspec
-from shared.data import expand_pattern
+from shared import storage
+from shared.config import ConfigError
+from shared.data import TextSource, check_text_dataset, matching_files, parquet_files
 
 SPLIT_FILES = [
     "train-00000-of-00002.parquet",
@@ -18,26 +20,46 @@ SPLIT_FILES = [
 ]
 
 
-def test_a_split_pattern_selects_only_that_splits_files(tmp_path):
+def write_splits(directory: str) -> None:
     for name in SPLIT_FILES:
-        pq.write_table(pa.table({"text": [name]}), tmp_path / name)
-    train = expand_pattern(str(tmp_path / "train-*.parquet"))
+        buffer = pa.BufferOutputStream()
+        pq.write_table(pa.table({"text": [name]}), buffer)
+        storage.write_bytes(storage.join(directory, name), buffer.getvalue().to_pybytes())
+
+
+def test_a_split_pattern_selects_only_that_splits_files(tmp_path):
+    write_splits(str(tmp_path))
+    fs, train = matching_files(str(tmp_path / "train-*.parquet"))
     assert [p.rsplit("/", 1)[1] for p in train] == SPLIT_FILES[:2]
-    rows = pq.read_table(train)["text"].to_pylist()
+    rows = pq.read_table(train, filesystem=fs)["text"].to_pylist()
     assert rows == SPLIT_FILES[:2]  # no validation or test rows
-    assert expand_pattern(str(tmp_path)) == str(tmp_path)  # a plain path is left alone
-    with pytest.raises(FileNotFoundError, match="no files match"):
-        expand_pattern(str(tmp_path / "dev-*.parquet"))
+    with pytest.raises(ConfigError, match="matches no files"):
+        matching_files(str(tmp_path / "dev-*.parquet"))
+
+
+def test_the_dataset_check_accepts_a_split_pattern_locally_and_on_s3(tmp_path, s3_prefix):
+    """tp2d's full profile names a pattern; the check before the cluster once looked the
+    pattern up as a literal path and refused every run ("does not exist")."""
+    for directory in (str(tmp_path), s3_prefix):
+        write_splits(directory)
+        check_text_dataset(TextSource(dataset=f"{directory}/train-*.parquet", tokenizer=""))
+        fs, files = parquet_files(f"{directory}/validation-*.parquet")
+        assert [f.rsplit("/", 1)[1] for f in files] == SPLIT_FILES[2:3]
+        with pytest.raises(ConfigError, match="matches no files"):
+            check_text_dataset(TextSource(dataset=f"{directory}/dev-*.parquet", tokenizer=""))
 
 
 def test_a_pattern_goes_through_the_given_filesystem():
-    """The hub path: HfFileSystem is an fsspec filesystem like this in-memory one."""
+    """The hub path: HfFileSystem is an fsspec filesystem like this in-memory one, and the
+    pyarrow wrapper around it is what hf:// datasets are listed and read through."""
+    import pyarrow.fs as pafs
     from fsspec.implementations.memory import MemoryFileSystem
 
-    fs = MemoryFileSystem()
+    memory = MemoryFileSystem()
     for name in SPLIT_FILES:
-        fs.pipe(f"/datasets/wikitext/wikitext-103-raw-v1/{name}", b"")
-    files = expand_pattern("/datasets/wikitext/wikitext-103-raw-v1/train-*.parquet", fs)
+        memory.pipe(f"/datasets/wikitext/wikitext-103-raw-v1/{name}", b"")
+    fs = pafs.PyFileSystem(pafs.FSSpecHandler(memory))
+    _, files = matching_files("/datasets/wikitext/wikitext-103-raw-v1/train-*.parquet", fs)
     assert [f.rsplit("/", 1)[1] for f in files] == SPLIT_FILES[:2]
 
 

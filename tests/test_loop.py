@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import tiny_corpus_blocks
 
+from shared import preemption
 from shared.config import TrainConfig
 from shared.launch import seed_everything
 from shared.loop import train
@@ -167,6 +168,44 @@ def test_a_diverging_run_stops_without_writing_non_finite_checkpoints(tmp_path, 
     with open(os.path.join(cfg.run_dir, "divergence.json")) as f:
         record = json.load(f)
     assert record["diverged_at_step"] == step and record["status"] == "diverged"
+
+
+class WeightsTurnNaNAtStep3(DDPStrategy):
+    """Step 3's loss and gradient norm are finite, and then its update leaves a NaN weight;
+    a SIGTERM arrives during that step."""
+
+    steps = 0
+
+    def optimizer_step(self) -> float:
+        grad_norm = super().optimizer_step()
+        self.steps += 1
+        if self.steps == 3:
+            with torch.no_grad():
+                next(unwrap(self.model).parameters()).view(-1)[0] = float("nan")
+            preemption._stop.set()  # what this process's SIGTERM handler sets
+        return grad_norm
+
+
+def test_a_stop_checkpoint_is_never_written_from_non_finite_weights(tmp_path, blocks):
+    """The weights check once ran on regular checkpoint steps only: a preemption stop saved
+    NaN weights as the latest checkpoint, and the rerun resumed from them."""
+    data, spec = blocks
+    cfg = make_cfg(tmp_path, max_steps=10, checkpoint_every=2)
+    seed_everything(cfg.seed)
+    model = build_gpt2(
+        cfg.model, spec["vocab_size"], cfg.seq_len, eos_token_id=spec["eos_token_id"]
+    )
+    model = apply_ddp(model, torch.device("cpu"))
+    strategy = WeightsTurnNaNAtStep3(model, cfg, torch.device("cpu"), torch.float32)
+    session = TorchrunSession(rank_batches(data, cfg.micro_batch_size, 0, 1),
+                              str(tmp_path / "ckpt"), cfg.micro_batch_size, 0, 1)  # fmt: skip
+    try:
+        summary = train(cfg, strategy, session)
+    finally:
+        preemption._stop.clear()
+    assert summary["status"] == "diverged" and summary["diverged_at_step"] == 3, summary
+    assert summary["divergence"] == "non-finite weights"
+    assert [os.path.basename(c) for c in session.checkpoints()] == ["step_000002"]
 
 
 def lr_rows(run_dir) -> dict[int, float]:

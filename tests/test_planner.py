@@ -485,3 +485,22 @@ def test_eager_attention_keeps_the_score_term_that_sdpa_drops():
     eager = layer_activation_bytes(s, b, h, a)
     sdpa = layer_activation_bytes(s, b, h, a, attention="sdpa")
     assert eager - sdpa == pytest.approx(s * b * h * 5 * a * s / h)
+
+
+@pytest.mark.parametrize(
+    ("fixed", "says"),
+    [
+        ((), "not even with full recomputation and micro-batch 1;"),
+        (("--micro-batch", "8"), "not even with full recomputation (micro-batch 8, as given);"),
+        (("--recompute", "none"), "not even at micro-batch 1 (recompute none, as given);"),
+        (("--micro-batch", "8", "--recompute", "none"),
+         "at the given micro-batch 8 and recompute none (leave --micro-batch and --recompute out"),
+    ],
+)  # fmt: skip
+def test_nothing_fits_names_only_what_the_search_tried(capsys, fixed, says):
+    """A fixed --micro-batch or --recompute is never searched; the line once claimed it was."""
+    args = ("--preset", "llama-70b", "--gpus", "1", "--gpu-mem", "2GiB", *fixed)
+    _, out, _ = run_main(capsys, *args)
+    line = next(x for x in out.splitlines() if x.startswith("recommended: "))
+    assert line.startswith("recommended: nothing fits - no strategy fits 1 x "), line
+    assert says in line, line

@@ -155,6 +155,14 @@ def test_a_directory_of_csv_and_txt_files_is_refused(tmp_path):
     assert "has no .parquet files (it has 2 other files" in dataset_error(tmp_path)
 
 
+def test_an_empty_directory_is_refused_in_one_sentence(tmp_path):
+    (tmp_path / "d").mkdir()
+    assert dataset_error(tmp_path / "d") == (
+        f"dataset directory '{tmp_path / 'd'}' has no .parquet files; the jobs read parquet "
+        "only: convert the data (e.g. pandas.read_csv(...).to_parquet(...))."
+    )
+
+
 def test_a_file_named_parquet_that_is_not_parquet_is_refused(tmp_path):
     path = tmp_path / "fake.parquet"
     path.write_text("text,label\n")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shared import storage
-from shared.data.source import TextSource, _dataset_filesystem
+from shared.data.source import TextSource, parquet_files
 
 PACKING_VERSION = 1  # bump when the packed rows change for the same inputs
 MANIFEST = "_MANIFEST.json"
@@ -45,15 +45,9 @@ class PackedDataset:
 
 def _source_identity(source: TextSource) -> list:
     """Sizes and modification times of the source files: an edited dataset packs again."""
-    import pyarrow.fs as pafs
-
     try:
-        fs, inner = _dataset_filesystem(source.dataset.split("*")[0].rstrip("/") or "/")
-        info = fs.get_file_info(inner)
-        infos = [info]
-        if info.type == pafs.FileType.Directory:
-            infos = fs.get_file_info(pafs.FileSelector(inner, recursive=True))
-        return sorted([i.path, i.size, str(i.mtime)] for i in infos if i.type == pafs.FileType.File)
+        fs, files = parquet_files(source.dataset)
+        return sorted([i.path, i.size, str(i.mtime)] for i in fs.get_file_info(files))
     except Exception:  # noqa: BLE001 - a hub dataset without listing: its name is the identity
         return []
 

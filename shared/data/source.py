@@ -11,6 +11,7 @@ the cached packed dataset that every epoch and every later run reads (shared/dat
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import os
 import random
@@ -129,7 +130,7 @@ def train_bpe_tokenizer(texts: list[str], vocab_size: int, out_dir: str) -> None
 class TextSource:
     """Where a run's text and tokenizer come from (resolved on the driver, before Ray starts)."""
 
-    dataset: str  # parquet file or directory: local path, s3://, hf://
+    dataset: str  # parquet file, directory or split pattern (train-*.parquet): local, s3://, hf://
     tokenizer: str  # hub name or local directory
     text_column: str = "text"
 
@@ -190,17 +191,38 @@ def _dataset_filesystem(path: str):
     return storage.filesystem(path)
 
 
-def check_text_dataset(source: TextSource, files_to_count: int = 16) -> None:
-    """What Ray Data would find out only after the cluster started, from parquet metadata:
-    the path holds parquet files (Ray reads only ``*.parquet``), they are readable, have the
-    text column and rows. Raises ConfigError with one sentence."""
-    import pyarrow as pa
+def matching_files(pattern: str, filesystem=None) -> tuple[object, list[str]]:
+    """(pyarrow filesystem, the sorted files inside it) that a ``*`` pattern matches, on local
+    disk, ``s3://`` or ``hf://`` (or inside ``filesystem``, with ``pattern`` a path in it). The
+    directories before the last ``/`` are taken literally. ConfigError when nothing matches."""
     import pyarrow.fs as pafs
-    import pyarrow.parquet as pq
 
     from shared.config import ConfigError
 
-    path = source.dataset
+    directory, _, name = pattern.rpartition("/")
+    if "*" in directory:
+        raise ConfigError(f"dataset '{pattern}': only the file name may hold a '*' pattern.")
+    fs, inner = (filesystem, directory) if filesystem else _dataset_filesystem(directory)
+    listing = fs.get_file_info(pafs.FileSelector(inner, allow_not_found=True))
+    files = sorted(
+        f.path
+        for f in listing
+        if f.type == pafs.FileType.File and fnmatch.fnmatch(f.base_name, name)
+    )
+    if not files:
+        raise ConfigError(f"dataset '{pattern}' matches no files.")
+    return fs, files
+
+
+def parquet_files(path: str) -> tuple[object, list[str]]:
+    """(pyarrow filesystem, the parquet files a dataset path names): a file, a directory
+    (every ``*.parquet`` under it, as Ray reads it) or a ``*`` pattern. ConfigError otherwise."""
+    import pyarrow.fs as pafs
+
+    from shared.config import ConfigError
+
+    if "*" in path:  # one split beside others, e.g. .../train-*.parquet
+        return matching_files(path)
     fs, inner = _dataset_filesystem(path)
     info = fs.get_file_info(inner)
     if info.type == pafs.FileType.NotFound:
@@ -210,18 +232,33 @@ def check_text_dataset(source: TextSource, files_to_count: int = 16) -> None:
                  if f.type == pafs.FileType.File]  # fmt: skip
         parquet = sorted(f.path for f in files if f.path.endswith(".parquet"))
         if not parquet:
-            found = f" (it has {len(files)} other files, e.g. {files[0].base_name})" * bool(files)
+            found = (
+                f" (it has {len(files)} other files, e.g. {files[0].base_name})" if files else ""
+            )
             raise ConfigError(
                 f"dataset directory '{path}' has no .parquet files{found}; the jobs read "
                 "parquet only: convert the data (e.g. pandas.read_csv(...).to_parquet(...))."
             )
-    elif not inner.endswith(".parquet"):
+        return fs, parquet
+    if not inner.endswith(".parquet"):
         raise ConfigError(
             f"dataset '{path}' is not a .parquet file; the jobs read parquet only: convert it "
             "(e.g. pandas.read_csv(...).to_parquet(...)) or point dataset= at a parquet file."
         )
-    else:
-        parquet = [inner]
+    return fs, [inner]
+
+
+def check_text_dataset(source: TextSource, files_to_count: int = 16) -> None:
+    """What Ray Data would find out only after the cluster started, from parquet metadata:
+    the path holds parquet files (Ray reads only ``*.parquet``), they are readable, have the
+    text column and rows. Raises ConfigError with one sentence."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from shared.config import ConfigError
+
+    path = source.dataset
+    fs, parquet = parquet_files(path)
     rows = 0
     for file in parquet[:files_to_count]:  # footers only; stop once rows are found
         try:
@@ -299,33 +336,17 @@ def tokenize_and_pack(
     return {"input_ids": pack_token_ids(ids, tok.eos_token_id, seq_len)}
 
 
-def expand_pattern(path: str, filesystem=None) -> str | list[str]:
-    """A ``*`` pattern - one split of a dataset directory, e.g. ``.../train-*.parquet`` beside
-    ``validation-*`` and ``test-*`` - as the sorted files it matches (Ray Data's readers take
-    no patterns, and a directory would read every split); any other path unchanged."""
-    if "*" not in path:
-        return path
-    if filesystem is None:
-        from fsspec.implementations.local import LocalFileSystem
-
-        filesystem = LocalFileSystem()
-    files = sorted(filesystem.glob(path))
-    if not files:
-        raise FileNotFoundError(f"no files match {path}")
-    return files
-
-
 def _read_parquet(path: str, columns: list[str]):
     import ray.data
 
-    if path.startswith("hf://"):
-        # The hub serves every dataset as parquet; HfFileSystem streams it like S3.
-        from huggingface_hub import HfFileSystem
-
-        fs = HfFileSystem()
-        ds = ray.data.read_parquet(expand_pattern(path[len("hf://") :], fs), filesystem=fs)
+    if "*" in path:  # one split: Ray Data's readers take no patterns, a directory reads all
+        fs, files = matching_files(path)
+        ds = ray.data.read_parquet(files, filesystem=fs)
+    elif path.startswith("hf://"):  # the hub serves every dataset as parquet, streamed like S3
+        fs, inner = _dataset_filesystem(path)
+        ds = ray.data.read_parquet(inner, filesystem=fs)
     else:
-        ds = ray.data.read_parquet(expand_pattern(path))
+        ds = ray.data.read_parquet(path)
     return ds.select_columns(columns)
 
 

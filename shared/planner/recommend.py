@@ -153,6 +153,18 @@ def choose(model: ModelSpec, settings: Settings, rows: list[Estimate]) -> tuple[
     return None
 
 
+def searched_extremes(search: Search) -> str:
+    """What the search tried last, in words: only the settings the user left open."""
+    if search.micro_batch is None and search.recompute is None:
+        return "not even with full recomputation and micro-batch 1"
+    if search.micro_batch is None:
+        return f"not even at micro-batch 1 (recompute {search.recompute}, as given)"
+    if search.recompute is None:
+        return f"not even with full recomputation (micro-batch {search.micro_batch}, as given)"
+    return (f"at the given micro-batch {search.micro_batch} and recompute {search.recompute} "
+            "(leave --micro-batch and --recompute out to search them)")  # fmt: skip
+
+
 def recommend(model: ModelSpec, settings: Settings, rows: list[Estimate],
               search: Search | None = None) -> Recommendation:  # fmt: skip
     """Apply the framework to the searched rows, say the settings it chose, then add the
@@ -163,8 +175,8 @@ def recommend(model: ModelSpec, settings: Settings, rows: list[Estimate],
     if choice is None:
         frugal = dataclasses.replace(settings, micro_batch=1, recompute="full")
         return Recommendation("none", (
-            f"no strategy fits {settings.gpus} x {format_size(settings.gpu_mem)}, not even with "
-            "full recomputation and micro-batch 1; see the advice."),
+            f"no strategy fits {settings.gpus} x {format_size(settings.gpu_mem)}, "
+            f"{searched_extremes(search)}; see the advice."),
             [*deep_model_advice(model, frugal), *advice])  # fmt: skip
     key, reason = choice
     row = next(r for r in rows if r.key == key)
