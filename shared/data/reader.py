@@ -3,8 +3,9 @@
 
 A reader gets the sample ids it must train on, in training order (shared/data/order.py). It
 reads only the chunk files holding them, in the order they are needed, with the ids pushed
-into the parquet read as a filter (``("sample_id", "in", ids)``), so rows already trained
-on or belonging to other ranks never leave the read. Rows of one chunk arrive in ``sample_id``
+into the parquet read as a filter (``("sample_id", "in", ids)``): it keeps only the row groups
+holding them (one row each, shared/data/packing.py), so rows already trained on or belonging
+to other ranks are never decoded. Rows of one chunk arrive in ``sample_id``
 order and are held until their micro-batch is complete (at most about one chunk per rank).
 """
 
@@ -57,7 +58,7 @@ def read_tasks(packed: PackedDataset, chunks: list[int]) -> int:
 
 def read_chunk(path: str, ids: list[int]):
     """The rows of one chunk file among ``ids``, as a pyarrow Table (the ids are pushed into
-    the parquet read as a filter, so other rows are skipped at the row-group level)."""
+    the parquet read as a filter: row groups without them, one row each, are never decoded)."""
     import pyarrow.parquet as pq
 
     fs, inner = storage.filesystem(path)
