@@ -141,8 +141,8 @@ plan: setup ## Memory per GPU of each strategy + a recommendation: make plan ARG
 	$(PY) -m shared.planner $(ARGS)
 
 # PROFILE defaults to full here (smoke elsewhere): a dry run is for the sizes never run locally.
-dry-run: setup ## JOB at its real world size on one CPU (fake process group): make dry-run JOB=tp2d [PROFILE=full] [ARGS="tp=8"]
-	$(PY) -m shared.planner.dryrun --job $(JOB) --profile $(if $(filter command line environment,$(origin PROFILE)),$(PROFILE),full) $(ARGS)
+dry-run: setup ## JOB at its real world size on one CPU (fake process group): make dry-run JOB=tp2d [PROFILE=full] [ARGS="tp=8"] [COMPUTE=8xH100]
+	$(PY) -m shared.planner.dryrun --job $(JOB) --profile $(if $(filter command line environment,$(origin PROFILE)),$(PROFILE),full) $(if $(COMPUTE),--compute $(COMPUTE)) $(ARGS)
 
 bench: setup ## DDP/FSDP2/ZeRO-1/2/3/TPxDP on the local cluster -> docs/benchmarks.md + .png (~10 min)
 	$(NET) $(PY) benchmarks/bench.py $(ARGS)

@@ -78,3 +78,32 @@ def test_a_model_that_cannot_fit_the_gpu_exits_1_saying_so(capsys):
 def test_a_job_without_a_model_is_refused(capsys):
     code, _, err = run(capsys, "env_check")
     assert code == 2 and err.startswith("error: job 'env_check' cannot be dry-run")
+
+
+def test_a_7b_llama_at_64_ranks_dry_runs_on_a_node_that_holds_its_tp_group(capsys):
+    """tp=8 cannot run on the job.yaml's 4-GPU L4 nodes (a TP group stays inside a node): the
+    dry run moves to the project's 8-GPU node and says so, instead of judging an impossible
+    layout against the L4 (where it once failed to 'fit')."""
+    code, out, err = run(capsys, "tp2d", "model=llama-7b", "dp=8", "tp=8", "num_workers=64")
+    assert code == 0, err
+    assert "world: 64 ranks (dp=8 x tp=8)" in out
+    assert ("note: jobs/tp2d/job.yaml's nodes have 4 GPUs, too few for a TP group of 8; "
+            "dry-running on compute_configs/8xH100.yaml's node instead") in out  # fmt: skip
+    assert "compute config (compute_configs/8xH100.yaml): 1 x 8 H100" in out
+    assert "note: 64 workers need 64 GPUs" in out  # 8 such nodes: max_nodes must grow
+    rows = table(out)
+    for name in ("params", "grads", "optimizer", "activations"):
+        assert rows[name][0] == rows[name][1], name
+    assert "fits: " in out
+
+
+def test_compute_picks_a_compute_config_and_bad_names_are_one_sentence(capsys):
+    code, out, _ = run(capsys, "fsdp", "--compute", "8xH100")
+    assert code == 0 and "compute config (compute_configs/8xH100.yaml): 1 x 8 H100" in out
+    code, out, err = run(capsys, "tp2d", "--compute", "2x4xL4", "tp=8", "dp=1",
+                         "num_workers=8", "model=llama-7b")  # fmt: skip
+    assert code == 2 and out == ""
+    assert err == ("error: tp=8 needs a TP group inside one node; compute_configs/2x4xL4.yaml "
+                   "has 4 GPUs per node.\n")  # fmt: skip
+    code, _, err = run(capsys, "ddp", "--compute", "16xB200")
+    assert code == 2 and err.startswith("error: no compute config '16xB200' in compute_configs/")

@@ -75,10 +75,15 @@ class ComputeConfig:
     gpu: str  # a key of GPUS
     gpus_per_node: int
     nodes: int
+    source: str  # the file it comes from
 
     @property
     def gpus(self) -> int:
         return self.gpus_per_node * self.nodes
+
+    def hosts_tp(self, tp: int) -> bool:
+        """A TP group talks in every layer: it must sit inside one node."""
+        return self.gpus_per_node >= tp and self.gpus_per_node % tp == 0
 
 
 def load_job(job: str):
@@ -93,16 +98,62 @@ def load_job(job: str):
     return module, getattr(module, JOBS[job][0])
 
 
+def _gpu_workers(spec: dict, source: str) -> ComputeConfig:
+    workers = [w for w in spec.get("worker_nodes", []) if w["instance_type"] in INSTANCES]
+    if not workers:
+        raise ConfigError(f"{source} has no GPU worker node the dry run knows.")
+    worker = workers[0]
+    gpu, per_node = INSTANCES[worker["instance_type"]]
+    return ComputeConfig(gpu, per_node, int(worker.get("max_nodes", 1)), source)
+
+
 def compute_config(job: str) -> ComputeConfig:
     """The GPU workers of the job.yaml's inline compute config."""
     spec = yaml.safe_load((REPO / "jobs" / job / "job.yaml").read_text())
-    workers = [w for w in spec["compute_config"].get("worker_nodes", [])
-               if w["instance_type"] in INSTANCES]  # fmt: skip
-    if not workers:
-        raise ConfigError(f"jobs/{job}/job.yaml has no GPU worker node the dry run knows.")
-    worker = workers[0]
-    gpu, per_node = INSTANCES[worker["instance_type"]]
-    return ComputeConfig(gpu, per_node, int(worker.get("max_nodes", 1)))
+    return _gpu_workers(spec["compute_config"], f"jobs/{job}/job.yaml")
+
+
+def named_compute_config(name: str) -> ComputeConfig:
+    """The GPU workers of ``compute_configs/<name>.yaml``."""
+    path = REPO / "compute_configs" / f"{name.removesuffix('.yaml')}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in path.parent.glob("*.yaml")))
+        raise ConfigError(f"no compute config '{name}' in compute_configs/ (there are: {known}).")
+    return _gpu_workers(yaml.safe_load(path.read_text()), f"compute_configs/{path.name}")
+
+
+def gpu_compute_configs() -> list[ComputeConfig]:
+    """The compute configs in compute_configs/ with GPU workers, by file name."""
+    found = []
+    for path in sorted((REPO / "compute_configs").glob("*.yaml")):
+        spec = yaml.safe_load(path.read_text())
+        if any(w["instance_type"] in INSTANCES for w in spec.get("worker_nodes", [])):
+            found.append(_gpu_workers(spec, f"compute_configs/{path.name}"))
+    return found
+
+
+def choose_compute(job: str, tp: int, requested: str | None) -> tuple[ComputeConfig, str]:
+    """(the compute config to dry-run on, a note when it is not the job.yaml's). A TP size the
+    job's nodes cannot hold in one node (tp=8 on 4-GPU nodes) moves to the project's compute
+    config whose node can: the job.yaml could not run that layout at all."""
+    if requested:
+        compute = named_compute_config(requested)
+        if not compute.hosts_tp(tp):
+            raise ConfigError(f"tp={tp} needs a TP group inside one node; {compute.source} has "
+                              f"{compute.gpus_per_node} GPUs per node.")  # fmt: skip
+        return compute, ""
+    compute = compute_config(job)
+    if compute.hosts_tp(tp):
+        return compute, ""
+    hosts = [c for c in gpu_compute_configs() if c.hosts_tp(tp)]
+    if not hosts:
+        raise ConfigError(f"tp={tp} needs a TP group inside one node, and no compute config in "
+                          "compute_configs/ has that many GPUs per node.")  # fmt: skip
+    hosts.sort(key=lambda c: c.gpus_per_node)  # the smallest node that holds the group
+    note = (f"note: {compute.source}'s nodes have {compute.gpus_per_node} GPUs, too few for a "
+            f"TP group of {tp}; dry-running on {hosts[0].source}'s node instead (COMPUTE= picks "
+            "another).")  # fmt: skip
+    return hosts[0], note
 
 
 def vocab_size(cfg) -> int:
@@ -305,10 +356,11 @@ def deepspeed_estimate(cfg, n_params: int, largest_layer: int, compute: ComputeC
     return format_size(gpu)
 
 
-def dry_run(job: str, profile: str, overrides: list[str], out=print) -> int:
+def dry_run(job: str, profile: str, overrides: list[str], out=print,
+            compute_name: str | None = None) -> int:  # fmt: skip
     module, cls = load_job(job)
     cfg = build_config(cls, module.PROFILES, profile, split_overrides(overrides))
-    compute = compute_config(job)
+    compute, moved = choose_compute(job, getattr(cfg, "tp", 1), compute_name)
     gpu = GPUS[compute.gpu]
     world = cfg.num_workers
     bf16 = gpu.bf16 and cfg.dtype != "fp32"
@@ -341,7 +393,9 @@ def dry_run(job: str, profile: str, overrides: list[str], out=print) -> int:
     out(f"world: {world} ranks ({layout}) on a fake process group | micro-batch "
         f"{cfg.micro_batch_size} x {cfg.seq_len} tokens | {precision.name} | recompute "
         f"{settings.recompute}")  # fmt: skip
-    out(f"compute config (jobs/{job}/job.yaml): {compute.nodes} x {compute.gpus_per_node} "
+    if moved:
+        out(moved)
+    out(f"compute config ({compute.source}): {compute.nodes} x {compute.gpus_per_node} "
         f"{gpu.describe()}")  # fmt: skip
     if world > compute.gpus:
         out(f"note: {world} workers need {world} GPUs; the compute config has {compute.gpus} "
@@ -414,10 +468,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m shared.planner.dryrun")
     parser.add_argument("--job", required=True)
     parser.add_argument("--profile", default="full")
+    parser.add_argument("--compute", default=None,
+                        help="a compute_configs/ name (default: the job.yaml's)")  # fmt: skip
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
     try:
-        return dry_run(args.job, args.profile, args.overrides)
+        return dry_run(args.job, args.profile, args.overrides, compute_name=args.compute)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
