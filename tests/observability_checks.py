@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from shared.generation import PROMPTS
 from shared.profiling import STEP_RANGES
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -59,3 +60,14 @@ def assert_held_out_loss_fell(summary: dict) -> None:
     assert {"eval_loss", "eval_ppl", "first_eval_loss"} <= set(summary), sorted(summary)
     assert summary["eval_ppl"] == pytest.approx(math.exp(summary["eval_loss"]), rel=1e-9)
     assert summary["eval_loss"] < summary["first_eval_loss"], summary
+    # The same evaluations in metrics.jsonl and TensorBoard, and the run's samples.txt: one
+    # greedy continuation per prompt, written collectively by whichever strategy trained.
+    run_dir = Path(summary["run_dir"])
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evaluated = {r["step"]: r["eval_loss"] for r in rows if r.get("eval_loss") is not None}
+    assert len(evaluated) >= 2 and evaluated[summary["steps"]] == summary["eval_loss"], evaluated
+    scalars = tensorboard_scalars(run_dir / "tensorboard")
+    assert scalars["eval/loss"] == pytest.approx(evaluated, rel=1e-6)
+    samples = (run_dir / "samples.txt").read_text().splitlines()
+    assert [line.split(" -> ")[0] for line in samples] == [repr(p) for p in PROMPTS], samples
+    assert all(len(line.split(" -> ")[1]) > 2 for line in samples), samples

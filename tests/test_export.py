@@ -137,13 +137,26 @@ def train_case(case: str, tmp_path, corpus, **overrides):
 
 
 @pytest.fixture(scope="module")
+def trained(tmp_path_factory, corpus):
+    """``trained(case)``: one 2-step run per case without evaluation, shared by the tests."""
+    runs = {}
+
+    def get(case: str):
+        if case not in runs:
+            runs[case] = train_case(case, tmp_path_factory.mktemp(case), corpus)
+        return runs[case]
+
+    return get
+
+
+@pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory, corpus):
     """A ddp run with checkpoints at steps 1 and 2 (shared by the tests of bad input)."""
     return train_case("ddp", tmp_path_factory.mktemp("ddp"), corpus, checkpoint_every=1)
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_export_gives_the_training_models_logits(case, tmp_path, corpus, request):
+def test_export_gives_the_training_models_logits(case, tmp_path, trained, request):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from shared.export.__main__ import main as export_main
@@ -151,7 +164,7 @@ def test_export_gives_the_training_models_logits(case, tmp_path, corpus, request
     if case == "ddp":
         cfg, batch, expected = request.getfixturevalue("ddp_run")
     else:
-        cfg, batch, expected = train_case(case, tmp_path, corpus)
+        cfg, batch, expected = trained(case)
     dest = str(tmp_path / "hf")
     argv = ["--job", case, "--run", "r", "--storage-path", cfg.storage_path, "--dest", dest]
     assert export_main(argv) == 0
@@ -259,3 +272,19 @@ def test_export_to_object_storage_writes_config_last_and_loads(ddp_run, s3_prefi
     model = AutoModelForCausalLM.from_pretrained(local, dtype=torch.float32).eval()
     with torch.no_grad():
         assert (model(input_ids=batch).logits - expected).abs().max().item() <= ATOL
+
+
+@pytest.mark.parametrize("case", ["fsdp", "zero3", "tp2d"])
+def test_evaluation_leaves_every_sharded_strategys_training_bitwise_unchanged(
+    case, tmp_path, corpus, trained
+):
+    """Held-out evaluation every step (collective forwards through FSDP2's all-gathers,
+    ZeRO-3's partitioned parameters, TP's sharded logits) consumes no training RNG or data:
+    the trained model's logits equal a run without evaluation, bit for bit."""
+    _, _, plain = trained(case)
+    cfg, _, evaluated = train_case(case, tmp_path / "eval", corpus, eval_every=1, eval_batches=2)
+    rows = [
+        json.loads(line) for line in Path(cfg.run_dir, "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in rows if r.get("eval_loss") is not None] == list(range(1, STEPS + 1))
+    assert torch.equal(evaluated, plain)
