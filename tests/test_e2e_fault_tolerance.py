@@ -52,11 +52,26 @@ def storage(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def reference(storage) -> dict:
     summary = ok(
-        run_job("fault_tolerance", *COMMON, "fail_at_step=0", "run_name=ref", storage=storage)
+        run_job("fault_tolerance", *COMMON, "fail_at_step=0", "run_name=ref",
+                "export_at_end=true", storage=storage)  # fmt: skip
     )
     assert summary["failures_recovered"] == 0
     assert_held_out_loss_fell(summary)  # evaluations at steps 10 and 12
     return summary
+
+
+def test_export_at_end_writes_a_model_transformers_loads_with_the_final_weights(reference):
+    """export_at_end (the full profiles' default): SUMMARY names the Hugging Face export of
+    the last checkpoint, and its weights are the run's final weights."""
+    from transformers import AutoModelForCausalLM
+
+    export = Path(reference["export"])
+    assert export == Path(reference["run_dir"], "export", "step_000012")
+    assert json.loads((export / "export_info.json").read_text())["step"] == 12
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+    exported = model.state_dict()
+    for name, tensor in final_weights(reference).items():
+        assert torch.equal(exported[name.removeprefix("module.")], tensor), name
 
 
 @pytest.mark.parametrize(
