@@ -78,7 +78,7 @@ export: setup ## HF model dir from a run's checkpoint: make export JOB=ddp RUN=<
 
 # No `setup` prerequisite: this runs beside a live job and must never start a reinstall.
 stack: ## Python stacks of JOB's running driver + workers: make stack JOB=ddp [ARGS="--run NAME"]
-	$(PY) -m shared.stack --job $(JOB) $(ARGS)
+	$(PY) -m shared.observability.stack --job $(JOB) $(ARGS)
 
 tensorboard: setup ## TensorBoard over every run under runs/ (http://127.0.0.1:6006)
 	$(VENV)/bin/tensorboard --logdir runs --host 127.0.0.1

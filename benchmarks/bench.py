@@ -41,8 +41,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `python benchmarks/bench.py` from anywhere
 
+from shared.observability.plots import save_bar_chart  # noqa: E402
 from shared.planner import format_size, from_preset, model_state_per_rank  # noqa: E402
-from shared.plots import save_bar_chart  # noqa: E402
 
 SMOKE_VOCAB = 512  # shared.data.generate_news_corpus trains a 512-token tokenizer
 
@@ -272,7 +272,7 @@ def startup_table(ray: dict[str, float], torchrun: dict[str, float]) -> list[str
     return [
         *lines,
         "",
-        "Phases (shared/startup.py): *cluster_start* preflight checks and the "
+        "Phases (shared/observability/startup.py): *cluster_start* preflight checks and the "
         "local Ray cluster; *data_preparation* packing the dataset or finding it cached; "
         "*worker_group_start* Ray Train's controller, the worker actors and the torch "
         "process group (torchrun: its processes and process group); *model_build* the "

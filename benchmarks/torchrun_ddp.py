@@ -22,15 +22,15 @@ import time
 import torch
 import torch.distributed as dist
 
-from shared import startup
 from shared.config import TrainConfig, parse_args
 from shared.data import resolve_text_source, tokenizer_spec
-from shared.launch import seed_everything
 from shared.loop import train
 from shared.models import build_gpt2
+from shared.observability import startup
 from shared.parallel.ddp import DDPStrategy, apply_ddp
 from shared.profiles import GPT2_AG_NEWS
-from shared.torchrun import TorchrunSession, init_distributed, packed_blocks, rank_batches
+from shared.runtime.torchrun import TorchrunSession, init_distributed, packed_blocks, rank_batches
+from shared.runtime.worker import seed_everything
 
 
 def smoke_corpus(cfg, rank: int, world_size: int) -> tuple[torch.Tensor, dict]:
@@ -50,7 +50,7 @@ def main() -> None:
     cfg = parse_args("ddp", TrainConfig, GPT2_AG_NEWS, description=__doc__)
     cfg.driver_start_time = float(os.environ.get("BENCH_LAUNCH_TIME", cfg.driver_start_time))
     rank, world_size, device = init_distributed(getattr(cfg, "collective_timeout_s", 1800.0))
-    startup.mark(cfg, "worker_start")  # processes and process group up (shared/startup.py)
+    startup.mark(cfg, "worker_start")  # processes and process group up (see startup.py)
     try:
         blocks, spec = smoke_corpus(cfg, rank, world_size)
         startup.mark(cfg, "data_ready")

@@ -66,7 +66,7 @@ class LocalCluster:
         # other's runtime-env packages, pulling the job's working_dir from under it.
         self.temp_root = Path(tempfile.mkdtemp(prefix="ray-local-"))
         # RAY_TMPDIR: Ray's "latest cluster" record, which its state API trusts, stays private
-        # too (see shared/cluster.py _private_temp_root).
+        # too (see shared/runtime/cluster.py _private_temp_root).
         self.env["RAY_TMPDIR"] = str(self.temp_root)
 
     @property

@@ -23,7 +23,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared import elastic
+from shared.runtime import elastic
 
 PROFILES = ("smoke", "full")
 # Ray placement-group strategies for the worker bundles (STRICT_* fail instead of degrading).
@@ -71,7 +71,7 @@ class BaseConfig:
     job: str = field(default="", metadata={"internal": True})
     profile: str = field(default="smoke", metadata={"internal": True})
     driver_start_time: float = field(default=0.0, metadata={"internal": True})
-    # Start-up marks the driver records for SUMMARY's startup_s (shared/startup.py).
+    # Start-up marks the driver records for SUMMARY's startup_s (shared/observability/startup.py).
     startup_marks: dict = field(default_factory=dict, metadata={"internal": True})
 
     def worker_resources_dict(self) -> dict[str, float]:
@@ -176,7 +176,7 @@ class TrainConfig(BaseConfig):
     )
     log_every: int = setting(5, "Print a progress line every N steps.")
     peak_tflops: float = setting(
-        0.0, "Per-device peak TFLOP/s for MFU; 0 = look the device up (see shared/metrics.py)."
+        0.0, "Per-device peak TFLOP/s for MFU; 0 = look the device up (observability/metrics.py)."
     )
     tensorboard: bool = setting(True, "Write TensorBoard events to <run_dir>/tensorboard/.")
     profile_steps: str = setting(
@@ -250,7 +250,9 @@ class TrainConfig(BaseConfig):
             raise ConfigError(f"tokenizer directory '{self.tokenizer}' does not exist.")
 
     def _validate_profile_steps(self) -> None:
-        from shared.profiling import parse_profile_steps  # local import: profiling pulls torch
+        from shared.observability.profiling import (
+            parse_profile_steps,  # local import: profiling pulls torch
+        )
 
         try:
             steps = parse_profile_steps(self.profile_steps)

@@ -26,7 +26,7 @@ driver verifies the manifests and reads the weights once to compare names and sh
 this run's model (built on the meta device), so a GPT-2 124M source costs it ~0.5 GB briefly.
 
 Why a module of its own and not part of shared/export: export writes Hugging Face
-directories; this is the training start (driver preflight in shared/launch.py, weights in
+directories; this is the training start (driver preflight in shared/runtime/driver.py, weights in
 ``start_gpt2_worker``, counters in ``shared.loop.restore``). It reuses export's readers.
 """
 

@@ -24,18 +24,10 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from shared import (
-    checkpoint,
-    evaluation,
-    generation,
-    init_from,
-    optim,
-    preemption,
-    resume,
-    storage,
-)
+from shared import checkpoint, evaluation, generation, init_from, optim, resume, storage
 from shared.checkpoint import TrainState
-from shared.metrics import (
+from shared.models import count_params, flops_per_token, model_dims, unwrap
+from shared.observability.metrics import (
     DIVERGENCE_FILE,
     StepMetrics,
     device_peak_tflops,
@@ -44,11 +36,11 @@ from shared.metrics import (
     read_metrics,
     strict_json,
 )
-from shared.models import count_params, flops_per_token, model_dims, unwrap
+from shared.observability.profiling import DATA_LOADING, HOST_TO_DEVICE, StepProfiler, trace_range
+from shared.observability.tensorboard_log import TensorBoardLog, tensorboard_dir
 from shared.parallel.base import Strategy
 from shared.precision import DTYPE_NAMES
-from shared.profiling import DATA_LOADING, HOST_TO_DEVICE, StepProfiler, trace_range
-from shared.tensorboard_log import TensorBoardLog, tensorboard_dir
+from shared.runtime import preemption
 
 LOSS_CURVE_FILE = "loss_curve.png"
 DATA_STATS_FILE = "data_stats.txt"
@@ -294,7 +286,9 @@ class RankZeroOutputs:
     def _loss_curve(self, tracker: StepMetrics) -> None:
         if tracker.path is None or not storage.exists(tracker.path):
             return
-        from shared.plots import save_run_plots  # matplotlib: imported only where it draws
+        from shared.observability.plots import (
+            save_run_plots,  # matplotlib: imported only where it draws
+        )
 
         rows = read_metrics(tracker.path)
         title = f"{self.cfg.job} {self.cfg.run_name}"
@@ -329,7 +323,7 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
     summary metrics (``status`` is ``diverged`` if a non-finite value stopped the run)."""
     state, resumed_from = restore(cfg, strategy, session)
     tracker = _tracker(cfg, strategy, session)
-    # Start-up marks so far (shared/startup.py): the driver's, this worker's start, now.
+    # Start-up marks so far (observability/startup.py): the driver's, this worker's start, now.
     tracker.startup_marks = {**cfg.startup_marks, "launch": cfg.driver_start_time,
                              "model_ready": time.time()}  # fmt: skip
     if getattr(session, "started_at", None):

@@ -66,7 +66,7 @@ def tiny_corpus_blocks(directory: str, rows: int, seq_len: int):
     """(token blocks [N, seq_len], tokenizer spec) of a small generated corpus, for the tests
     that run the shared loop without Ray."""
     from shared.data import generate_news_corpus, tokenizer_spec
-    from shared.torchrun import packed_blocks
+    from shared.runtime.torchrun import packed_blocks
 
     source = generate_news_corpus(directory, num_rows=rows, seed=0)
     blocks = packed_blocks(source.dataset, source.tokenizer, "text", seq_len)
@@ -76,8 +76,8 @@ def tiny_corpus_blocks(directory: str, rows: int, seq_len: int):
 @pytest.fixture(scope="session")
 def ray_local(tmp_path_factory):
     """One real local Ray cluster for the tests that need Ray Data directly."""
-    from shared.cluster import ray_cluster
     from shared.config import BaseConfig
+    from shared.runtime.cluster import ray_cluster
 
     cfg = BaseConfig(storage_path=str(tmp_path_factory.mktemp("ray")))
     with ray_cluster(cfg) as info:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from shared.generation import PROMPTS
-from shared.profiling import STEP_RANGES
+from shared.observability.profiling import STEP_RANGES
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -124,7 +124,7 @@ def test_smoke_artifacts_leave_the_auth_token_out():
     paths = upload["with"]["path"].splitlines()
     assert paths[0] == "runs/${{ matrix.job }}" and "!runs/**/ray-auth-token" in paths
     # the file it excludes is the one a local run writes
-    assert '"ray-auth-token"' in (REPO / "shared" / "launch.py").read_text()
+    assert '"ray-auth-token"' in (REPO / "shared" / "runtime" / "driver.py").read_text()
 
 
 def test_nothing_ci_or_the_tests_start_reports_usage_statistics():

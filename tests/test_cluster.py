@@ -1,4 +1,4 @@
-"""shared/cluster.py settings that Ray Train reads from the driver's environment."""
+"""shared/runtime/cluster.py settings that Ray Train reads from the driver's environment."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 from conftest import REPO
 
-from shared.cluster import controller_poll_interval_s
+from shared.runtime.cluster import controller_poll_interval_s
 
 POLL = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 
@@ -26,7 +26,7 @@ def test_a_run_sets_the_poll_interval_before_fit(ray_local):
 
 
 def interval_after_a_run_setup(user_value: str | None) -> str:
-    code = ("import os; from shared.cluster import use_controller_poll_interval as use; "
+    code = ("import os; from shared.runtime.cluster import use_controller_poll_interval as use; "
             f"use(num_workers=2); print(os.environ['{POLL}'])")  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != POLL}
     if user_value is not None:

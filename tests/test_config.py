@@ -5,7 +5,6 @@ import os
 import pytest
 from conftest import REPO
 
-from shared.cluster import check_local_resources
 from shared.config import (
     ConfigError,
     FaultToleranceConfig,
@@ -17,6 +16,7 @@ from shared.config import (
     build_config,
     parse_args,
 )
+from shared.runtime.cluster import check_local_resources
 
 PROFILES = {"smoke": {}, "full": {"num_workers": 8}}
 
@@ -261,7 +261,7 @@ def test_fault_tolerance_settings(overrides, message):
 
 
 def test_min_workers_makes_the_scaling_config_elastic():
-    from shared.launch import scaling_config
+    from shared.runtime.driver import scaling_config
 
     elastic = build_config(FaultToleranceConfig, PROFILES, "smoke", {"min_workers": "1"})
     assert scaling_config(elastic).num_workers == (1, 2)

@@ -52,8 +52,14 @@ def storage(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def reference(storage) -> dict:
     summary = ok(
-        run_job("fault_tolerance", *COMMON, "fail_at_step=0", "run_name=ref",
-                "export_at_end=true", storage=storage)  # fmt: skip
+        run_job(
+            "fault_tolerance",
+            *COMMON,
+            "fail_at_step=0",
+            "run_name=ref",
+            "export_at_end=true",
+            storage=storage,
+        )  # fmt: skip
     )
     assert summary["failures_recovered"] == 0
     assert_held_out_loss_fell(summary)  # evaluations at steps 10 and 12

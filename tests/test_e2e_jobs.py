@@ -18,7 +18,7 @@ from observability_checks import (
     tensorboard_scalars,
 )
 
-from shared.metrics import read_metrics
+from shared.observability.metrics import read_metrics
 
 pytestmark = pytest.mark.e2e
 
@@ -49,7 +49,7 @@ def test_ddp_smoke_trains_and_checkpoints(ddp_runs):
     assert s["initial_loss"] == pytest.approx(6.24, abs=0.15)
     assert s["final_loss"] < 0.8 * s["initial_loss"]
     assert s["time_to_first_step_s"] > 0 and s["tokens_per_s"] > 0 and s["wall_s"] > 0
-    # Every second of the start-up accounted for, phase by phase (shared/startup.py).
+    # Every second of the start-up accounted for, phase by phase (shared/observability/startup.py).
     startup = s["startup_s"]
     assert list(startup) == ["cluster_start", "data_preparation", "driver_setup",
                              "worker_group_start", "model_build", "first_batch", "first_step",

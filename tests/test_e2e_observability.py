@@ -14,7 +14,7 @@ from conftest import REPO
 
 pytestmark = pytest.mark.e2e
 
-# The fault_tolerance job sleeps in FaultInjectingStrategy.optimizer_step (shared/faults.py)
+# The fault_tolerance job sleeps in FaultInjectingStrategy.optimizer_step (shared/runtime/faults.py)
 # for sleep_per_step seconds every step: nearly always where a dump finds a worker.
 SLEEPING_FRAME = re.compile(r"optimizer_step \(\S*faults\.py:\d+\)")
 

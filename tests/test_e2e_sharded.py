@@ -86,7 +86,7 @@ def test_every_strategy_reports_a_falling_held_out_loss(name, runs):
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_every_strategy_names_its_phases_in_the_trace_of_each_rank(name, runs):
     """Including gradient_sync: DDP's comm hook, FSDP2's reduce-scatter, DeepSpeed's
-    allreduce_gradients (shared/profiling.py)."""
+    allreduce_gradients (shared/observability/profiling.py)."""
     for rank in (0, 1):
         path = Path(runs[name]["run_dir"], "profile", f"rank{rank}.json")
         assert_trace_has_step_ranges(path, range(3, 6))

@@ -8,7 +8,7 @@ from conftest import run_job
 
 from jobs.fault_tolerance.main import PROFILES, for_this_world
 from shared.config import ConfigError, FaultToleranceConfig, build_config
-from shared.elastic import BatchShape, batch_table, refusal
+from shared.runtime.elastic import BatchShape, batch_table, refusal
 
 
 @pytest.mark.parametrize(

@@ -14,11 +14,11 @@ from conftest import tiny_corpus_blocks
 from shared.config import TrainConfig
 from shared.data import generate_news_corpus
 from shared.evaluation import HELD_OUT_SEED, Evaluator, validation_blocks
-from shared.launch import seed_everything
 from shared.loop import train
 from shared.models import build_gpt2, unwrap
 from shared.parallel.ddp import DDPStrategy, apply_ddp
-from shared.torchrun import TorchrunSession, rank_batches
+from shared.runtime.torchrun import TorchrunSession, rank_batches
+from shared.runtime.worker import seed_everything
 
 SEQ = 32
 

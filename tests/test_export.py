@@ -20,11 +20,11 @@ import torch.multiprocessing as mp
 from conftest import tiny_corpus_blocks
 
 from shared import config as config_module
-from shared.launch import seed_everything
 from shared.loop import train
 from shared.models import build_gpt2, unwrap
 from shared.run_settings import SETTINGS_FILE, settings_record
-from shared.torchrun import TorchrunSession, rank_batches
+from shared.runtime.torchrun import TorchrunSession, rank_batches
+from shared.runtime.worker import seed_everything
 
 SEQ = 32
 STEPS = 2

@@ -16,18 +16,18 @@ import pytest
 from conftest import REPO
 
 from shared import storage
-from shared.lease import LEASE_FILE, Holder, Lease, LeaseHeld
+from shared.runtime.lease import LEASE_FILE, Holder, Lease, LeaseHeld
 
 HOLD_AND_WAIT = """
 import sys, time
-from shared.lease import Lease
+from shared.runtime.lease import Lease
 Lease(sys.argv[1]).acquire()
 print("held", flush=True)
 time.sleep(600)
 """
 SECOND_DRIVER = """
 import sys, types
-from shared.lease import run_lease
+from shared.runtime.lease import run_lease
 run_lease(types.SimpleNamespace(run_dir=sys.argv[1])).release()
 print("acquired", flush=True)
 """

@@ -13,13 +13,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import tiny_corpus_blocks
 
-from shared import preemption
 from shared.config import TrainConfig
-from shared.launch import seed_everything
 from shared.loop import train
 from shared.models import build_gpt2, unwrap
 from shared.parallel.ddp import DDPStrategy, apply_ddp
-from shared.torchrun import TorchrunSession, rank_batches
+from shared.runtime import preemption
+from shared.runtime.torchrun import TorchrunSession, rank_batches
+from shared.runtime.worker import seed_everything
 
 SEQ = 32
 

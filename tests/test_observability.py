@@ -16,9 +16,9 @@ from conftest import tiny_corpus_blocks
 from observability_checks import assert_trace_has_step_ranges, png_shape, tensorboard_scalars
 
 from shared.config import ConfigError, TrainConfig, build_config
-from shared.metrics import read_metrics
-from shared.plots import save_bar_chart, save_run_plots
-from shared.profiling import parse_profile_steps
+from shared.observability.metrics import read_metrics
+from shared.observability.plots import save_bar_chart, save_run_plots
+from shared.observability.profiling import parse_profile_steps
 
 SEQ = 32
 
@@ -99,11 +99,11 @@ def blocks(tmp_path_factory) -> tuple[torch.Tensor, dict]:
 
 
 def _ddp_rank(rank, world, init_file, cfg, data, spec):
-    from shared.launch import seed_everything
     from shared.loop import train
     from shared.models import build_gpt2
     from shared.parallel.ddp import DDPStrategy, apply_ddp
-    from shared.torchrun import TorchrunSession, rank_batches
+    from shared.runtime.torchrun import TorchrunSession, rank_batches
+    from shared.runtime.worker import seed_everything
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -170,7 +170,7 @@ def test_rank0_draws_the_loss_curve(profiled_run):
 
 
 def _timeout_rank(rank, port, flag, result_file):
-    from shared.torchrun import init_distributed
+    from shared.runtime.torchrun import init_distributed
 
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")  # fmt: skip
@@ -210,7 +210,7 @@ def test_the_progress_line_and_summary_use_the_same_definitions():
     steady steps (all but the first), and the first batch's wait separately."""
     from types import SimpleNamespace
 
-    from shared.metrics import StepMetrics
+    from shared.observability.metrics import StepMetrics
 
     cfg = SimpleNamespace(tokens_per_step=1000, max_steps=4, driver_start_time=0.0)
     tracker = StepMetrics(cfg, flops_per_token=1e6, peak_tflops=1.0, world_size=2, path=None)

@@ -309,10 +309,10 @@ def _measure_worker(rank: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
         from shared.config import FSDPConfig, ZeroConfig
-        from shared.launch import seed_everything
         from shared.models import build_gpt2
         from shared.parallel.fsdp import FSDPStrategy, apply_fsdp, data_parallel_mesh
         from shared.parallel.zero import ZeroStrategy
+        from shared.runtime.worker import seed_everything
 
         device, measured = torch.device("cpu"), {}
         batch = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(rank))

@@ -12,8 +12,8 @@ import pytest
 
 from shared.config import ConfigError, FaultToleranceConfig, TrainConfig, build_config, parse_args
 from shared.data import TextSource, check_text_dataset
-from shared.log_filter import BENIGN, FilteredStream, OutputFilter
-from shared.metrics import strict_json
+from shared.observability.log_filter import BENIGN, FilteredStream, OutputFilter
+from shared.observability.metrics import strict_json
 from shared.run_settings import SETTINGS_FILE, check_resume
 
 # ------------------------------------------------------------------------------------------

@@ -1,12 +1,12 @@
-"""SUMMARY's startup_s (shared/startup.py): phases between marks, named after the mark that
-ends them, adding up to the time to the first step."""
+"""SUMMARY's startup_s (shared/observability/startup.py): phases between marks, named after
+the mark that ends them, adding up to the time to the first step."""
 
 from __future__ import annotations
 
 import pytest
 
-from shared import startup
 from shared.config import TrainConfig
+from shared.observability import startup
 
 
 def test_a_ray_run_is_broken_down_into_every_phase_in_order():

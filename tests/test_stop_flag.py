@@ -1,5 +1,6 @@
-"""The driver's stop flag (shared/preemption.py) on a real local Ray cluster: it lives on the
-driver's node, and a rank that finds it gone trains on instead of failing every attempt."""
+"""The driver's stop flag (shared/runtime/preemption.py) on a real local Ray cluster: it lives
+on the driver's node, and a rank that finds it gone trains on instead of failing every
+attempt."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from types import SimpleNamespace
 import ray
 from ray.util.state import list_actors
 
-from shared import preemption
+from shared.runtime import preemption
 
 
 def test_the_stop_flag_lives_on_the_driver_node_and_its_loss_is_not_fatal(ray_local, tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from shared import storage
-from shared.launch import checkpoint_uri
+from shared.runtime.driver import checkpoint_uri
 
 
 def test_append_log_on_s3_continues_the_object_and_writes_on_flush(s3_prefix):

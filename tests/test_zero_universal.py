@@ -15,9 +15,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shared.config import ZeroConfig
-from shared.launch import seed_everything
 from shared.models import build_gpt2
 from shared.parallel import zero
+from shared.runtime.worker import seed_everything
 
 VOCAB, SEQ, MICRO, GLOBAL = 512, 32, 4, 8
 STEPS, SAVED_AT = 4, 2

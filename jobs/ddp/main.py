@@ -13,11 +13,12 @@ from __future__ import annotations
 import ray.train.torch
 
 from shared.config import TrainConfig, parse_args
-from shared.launch import start_gpt2_worker, train_on_text
 from shared.loop import train
 from shared.parallel.ddp import DDPStrategy
 from shared.precision import resolve_dtype
 from shared.profiles import GPT2_AG_NEWS
+from shared.runtime.driver import train_on_text
+from shared.runtime.worker import start_gpt2_worker
 
 PROFILES = GPT2_AG_NEWS  # shared with fsdp and zero: same model, same data
 

@@ -29,15 +29,8 @@ import torch.distributed as dist
 from ray.train.torch import TorchTrainer
 
 from shared import storage
-from shared.cluster import topology
 from shared.config import BaseConfig, ConfigError, parse_args, setting
-from shared.launch import (
-    job_run,
-    quiet_train_worker_logs,
-    run_config,
-    scaling_config,
-    torch_config,
-)
+from shared.observability.stack import register_process
 from shared.precision import (
     choose_dtype,
     device_caps,
@@ -45,7 +38,9 @@ from shared.precision import (
     supports_bf16,
     supports_fp16,
 )
-from shared.stack import register_process
+from shared.runtime.cluster import topology
+from shared.runtime.driver import job_run, run_config, scaling_config, torch_config
+from shared.runtime.worker import quiet_train_worker_logs
 from shared.storage import write_json_atomic
 
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 import ray
 
 from shared.config import TP2DConfig, parse_args
-from shared.launch import RaySession, seed_everything, train_on_text
 from shared.llama import build_llama
 from shared.loop import train
 from shared.parallel.fsdp import apply_fsdp
 from shared.parallel.tp import TP2DStrategy, TPGroupSession, apply_tp, device_mesh_2d, placement
 from shared.precision import resolve_dtype
+from shared.runtime.driver import train_on_text
+from shared.runtime.worker import RaySession, seed_everything
 
 # The train split only: the directory also holds validation-* and test-* parquet files.
 WIKITEXT_103_TRAIN = "hf://datasets/Salesforce/wikitext/wikitext-103-raw-v1/train-*.parquet"

@@ -5,9 +5,9 @@ owns what differs between DDP, FSDP2, DeepSpeed and TP: how a micro-batch's forw
 runs, how the optimizer steps, what a checkpoint contains, and how much model state each
 rank holds.
 
-Each strategy also marks its phases as named trace ranges (shared/profiling.py) - forward,
-backward, gradient_sync (wherever its gradient collective is issued) and optimizer_step - so
-a profile of any strategy reads the same way. A new strategy that overrides
+Each strategy also marks its phases as named trace ranges (shared/observability/profiling.py):
+forward, backward, gradient_sync (wherever its gradient collective is issued) and
+optimizer_step, so a profile of any strategy reads the same way. A new strategy that overrides
 ``forward_backward`` or ``optimizer_step`` keeps those ranges.
 """
 
@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from shared import optim
+from shared.observability.profiling import BACKWARD, FORWARD, OPTIMIZER_STEP, trace_range
 from shared.precision import autocast
-from shared.profiling import BACKWARD, FORWARD, OPTIMIZER_STEP, trace_range
 
 
 class Strategy:
@@ -87,7 +87,7 @@ class Strategy:
     # --- memory ----------------------------------------------------------------------------
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state this rank holds locally."""
-        from shared.metrics import tensor_bytes
+        from shared.observability.metrics import tensor_bytes
 
         params = list(self.model.parameters())
         optimizer_tensors = [

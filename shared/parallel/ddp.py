@@ -14,8 +14,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shared import checkpoint
 from shared.models import unwrap
+from shared.observability.profiling import GRADIENT_SYNC, trace_range
 from shared.parallel.base import Strategy
-from shared.profiling import GRADIENT_SYNC, trace_range
 
 
 def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:

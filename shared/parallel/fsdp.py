@@ -27,8 +27,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceS
 from torch.distributed.tensor import DTensor
 
 from shared.models import transformer_blocks
+from shared.observability.profiling import GRADIENT_SYNC, trace_range
 from shared.parallel.base import Strategy
-from shared.profiling import GRADIENT_SYNC, trace_range
 
 DCP_DIR = "dcp"  # sharded model + optimizer; every rank writes its own files
 SCHEDULER_FILE = "scheduler.pt"

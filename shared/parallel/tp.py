@@ -35,8 +35,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from shared.observability.profiling import BACKWARD, FORWARD, HOST_TO_DEVICE, trace_range
 from shared.parallel.fsdp import FSDPStrategy
-from shared.profiling import BACKWARD, FORWARD, HOST_TO_DEVICE, trace_range
 
 
 def device_mesh_2d(device: torch.device, dp: int, tp: int) -> DeviceMesh:

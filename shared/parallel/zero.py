@@ -28,9 +28,16 @@ import torch
 from torch import nn
 
 from shared import optim
-from shared.metrics import tensor_bytes
+from shared.observability.metrics import tensor_bytes
+from shared.observability.profiling import (
+    BACKWARD,
+    FORWARD,
+    GRADIENT_SYNC,
+    OPTIMIZER_STEP,
+    in_range,
+    trace_range,
+)
 from shared.parallel.base import Strategy
-from shared.profiling import BACKWARD, FORWARD, GRADIENT_SYNC, OPTIMIZER_STEP, in_range, trace_range
 
 ENGINE_TAG = "engine"  # DeepSpeed's sub-directory inside our checkpoint directory
 

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from shared.config import ConfigError
-from shared.log_filter import filtered_output
+from shared.observability.log_filter import filtered_output
 
 # Read by Ray Train on the driver and propagated to the controller and every worker.
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")  # the Train API these templates use
@@ -128,7 +128,7 @@ def ray_cluster(cfg, token_file: str | None = None) -> Iterator[ClusterInfo]:
         temp_root, created_temp_root = _private_temp_root()
         logs_dir = f"{temp_root}/ray/session_latest/logs"
     # Known-benign Ray/torch lines and worker tracebacks are kept out of the driver's output
-    # (shared/log_filter.py); the log files keep everything.
+    # (shared/observability/log_filter.py); the log files keep everything.
     with filtered_output(logs_dir, enabled=not getattr(cfg, "verbose", False)):
         yield from _connect(cfg, address, token_file, temp_root, created_temp_root)
 

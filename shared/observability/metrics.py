@@ -16,7 +16,8 @@ from collections.abc import Iterable
 
 import torch
 
-from shared import startup, storage
+from shared import storage
+from shared.observability import startup
 from shared.storage import AppendLog
 
 # Dense bf16/fp16 tensor-core peaks from the vendors' datasheets (no sparsity), TFLOP/s.
@@ -118,7 +119,7 @@ class StepMetrics:
         self.log = AppendLog(path) if path else None
         self.history: list[dict] = []
         self.first_step_end: float | None = None
-        self.startup_marks: dict[str, float | None] = {}  # set by the loop (shared/startup.py)
+        self.startup_marks: dict[str, float | None] = {}  # set by the loop (see startup.py)
 
     def record(self, *, step: int, epoch: int, loss: float, lr: float, grad_norm: float | None,
                step_time: float, data_wait: float, **extra) -> dict:  # fmt: skip
