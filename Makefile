@@ -152,7 +152,8 @@ bench: setup ## DDP/FSDP2/ZeRO-1/2/3/TPxDP on the local cluster -> docs/benchmar
 TEST_WORKERS ?= 2
 
 test: setup ## All tests: unit + end-to-end on a real local Ray cluster [TEST_WORKERS=2]
-	$(NO_USAGE_STATS) $(NET) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
+	$(NO_USAGE_STATS) $(NET) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		--durations=40 $(PYTEST_ARGS)
 
 VALIDATE_TESTS := tests/test_deploy.py tests/test_kuberay.py tests/test_pins.py \
 	tests/test_ci_config.py tests/test_template.py

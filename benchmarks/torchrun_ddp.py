@@ -3,7 +3,7 @@
     python -m torch.distributed.run --standalone --nproc-per-node 2 \\
         benchmarks/torchrun_ddp.py storage_path=runs/bench run_name=torchrun max_steps=20
 
-Same config parsing and profile (``shared.profiles.GPT2_AG_NEWS``), the same generated corpus
+Same config parsing and profile (``shared.config.profiles.GPT2_AG_NEWS``), the same generated corpus
 and tokenizer, the same model, ``DDPStrategy`` and ``shared.loop.train`` - only the session
 differs: batches come from the packed blocks in memory (rank r takes every world-th
 micro-batch) instead of a Ray Data shard, and there is no Ray cluster to start. Rank 0 prints
@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 
 from shared.config import TrainConfig, parse_args
+from shared.config.profiles import GPT2_AG_NEWS
 from shared.data import resolve_text_source, tokenizer_spec
 from shared.loop import train
-from shared.models import build_gpt2
+from shared.models.gpt2 import build_gpt2
 from shared.observability import startup
 from shared.parallel.ddp import DDPStrategy, apply_ddp
-from shared.profiles import GPT2_AG_NEWS
 from shared.runtime.torchrun import TorchrunSession, init_distributed, packed_blocks, rank_batches
 from shared.runtime.worker import seed_everything
 

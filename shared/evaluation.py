@@ -94,7 +94,7 @@ def _batch_loss_sum(strategy, input_ids: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
         from torch.distributed.tensor.parallel import loss_parallel
 
-        from shared.llama import next_token_targets
+        from shared.models.llama import next_token_targets
 
         with loss_parallel():
             logits = strategy.model(input_ids)

@@ -13,10 +13,6 @@ and, for ``profile_steps=a-b``, a profiler trace.
 from __future__ import annotations
 
 import contextlib
-import math
-import os
-import sys
-import tempfile
 import time
 from collections.abc import Iterable
 from typing import Protocol
@@ -24,26 +20,23 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from shared import checkpoint, evaluation, generation, init_from, optim, resume, storage
-from shared.checkpoint import TrainState
-from shared.models import count_params, flops_per_token, model_dims, unwrap
+from shared import checkpoint, evaluation, generation, optim, storage
+from shared.checkpoint import TrainState, init_from, resume
+from shared.divergence import any_rank, nonfinite_reason
+from shared.models.structure import count_params, flops_per_token, model_dims, unwrap
 from shared.observability.metrics import (
     DIVERGENCE_FILE,
     StepMetrics,
     device_peak_tflops,
     peak_memory_bytes,
     rank0_metrics_path,
-    read_metrics,
     strict_json,
 )
 from shared.observability.profiling import DATA_LOADING, HOST_TO_DEVICE, StepProfiler, trace_range
-from shared.observability.tensorboard_log import TensorBoardLog, tensorboard_dir
+from shared.observability.run_outputs import RankZeroOutputs
 from shared.parallel.base import Strategy
 from shared.precision import DTYPE_NAMES
 from shared.runtime import preemption
-
-LOSS_CURVE_FILE = "loss_curve.png"
-DATA_STATS_FILE = "data_stats.txt"
 
 
 class Session(Protocol):
@@ -178,44 +171,6 @@ def checkpoint_due(cfg, step: int) -> bool:
     return step == cfg.last_step or step % cfg.checkpoint_every == 0
 
 
-# ------------------------------------------------------------------------------------------
-# divergence: a non-finite loss, gradient norm or weight stops the run at that step
-
-
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """True on every rank if it is True on one: a stop decision all ranks take together, so
-    no rank is left waiting in a collective the others skipped."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        value = torch.tensor(float(flag), device=device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return bool(value.item())
-    return flag
-
-
-def weights_finite(strategy: Strategy) -> bool:
-    """This rank's parameters (its shard for FSDP/TP, its partition for ZeRO-3) are finite."""
-    for param in strategy.model.parameters():
-        local = getattr(param, "ds_tensor", None)  # DeepSpeed ZeRO-3 partition
-        if local is None:
-            local = param.to_local() if hasattr(param, "to_local") else param
-        if local.numel() and not bool(torch.isfinite(local.detach()).all()):
-            return False
-    return True
-
-
-def nonfinite_reason(strategy: Strategy, row: dict, saving: bool) -> str:
-    """Why this step diverged on this rank ('' if it did not). Loss and gradient norm are
-    already global (all-reduced); weights are checked when this step writes a checkpoint."""
-    checked = {"loss": row["loss"]}
-    # fp16 loss scaling skips steps whose gradients overflowed: an inf norm there is expected.
-    if strategy.dtype != torch.float16 and row["grad_norm"] is not None:
-        checked["grad_norm"] = row["grad_norm"]
-    bad = [f"{name} {value}" for name, value in checked.items() if not math.isfinite(value)]
-    if not bad and saving and not weights_finite(strategy):
-        bad.append("non-finite weights")
-    return ", ".join(bad)
-
-
 def stop_diverged(cfg, strategy, session, state: TrainState, tracker: StepMetrics, row: dict,
                   reason: str, resumed_from: int | None,
                   last_saved: int | None) -> dict:  # fmt: skip
@@ -252,70 +207,6 @@ def _save_for_node_drain(cfg, strategy, session, state, row) -> None:
     if session.rank == 0:
         print(f"node drain (preemption) notice: checkpoint at step {state.step}", flush=True)
     save_and_report(cfg, strategy, session, state, row)
-
-
-class RankZeroOutputs:
-    """What rank 0 writes besides metrics.jsonl: TensorBoard scalars every step, and at the
-    end the loss-curve PNG and the data pipeline's stats. Other ranks get a no-op."""
-
-    def __init__(self, cfg, strategy: Strategy, session: Session):
-        self.cfg, self.strategy, self.session = cfg, strategy, session
-        self.active = session.rank == 0
-        logdir = tensorboard_dir(cfg.run_dir) if cfg.tensorboard else None
-        self.tensorboard = TensorBoardLog(logdir) if self.active and logdir else None
-
-    def step(self, row: dict) -> None:
-        if self.tensorboard is not None:
-            memory = {**peak_memory_bytes(self.session.device),
-                      **(self.strategy.measured_state_bytes or {})}  # fmt: skip
-            self.tensorboard.add_step(row, memory)
-
-    def finish(self, tracker: StepMetrics) -> None:
-        if not self.active:
-            return
-        if self.tensorboard is not None:
-            self.tensorboard.close()
-        # Observability must not fail a run that trained: say what could not be written.
-        for what, write in (("loss curve", self._loss_curve), ("data stats", self._data_stats)):
-            try:
-                write(tracker)
-            except Exception as err:  # noqa: BLE001
-                print(f"warning: no {what}: {type(err).__name__}: {err}", file=sys.stderr,
-                      flush=True)  # fmt: skip
-
-    def _loss_curve(self, tracker: StepMetrics) -> None:
-        if tracker.path is None or not storage.exists(tracker.path):
-            return
-        from shared.observability.plots import (
-            save_run_plots,  # matplotlib: imported only where it draws
-        )
-
-        rows = read_metrics(tracker.path)
-        title = f"{self.cfg.job} {self.cfg.run_name}"
-        if not storage.is_remote(self.cfg.run_dir):
-            path = os.path.join(storage.local_path(self.cfg.run_dir), LOSS_CURVE_FILE)
-            save_run_plots(rows, path, title=title)
-        else:  # draw locally, then one PUT
-            path = storage.join(self.cfg.run_dir, LOSS_CURVE_FILE)
-            with tempfile.TemporaryDirectory() as tmp:
-                local = os.path.join(tmp, LOSS_CURVE_FILE)
-                save_run_plots(rows, local, title=title)
-                with open(local, "rb") as f:
-                    storage.write_bytes(path, f.read())
-        print(f"loss curve: {path}", flush=True)
-
-    def _data_stats(self, tracker: StepMetrics) -> None:
-        """Ray Data's full statistics (~60 lines) go to a file; the log gets a pointer, or
-        the whole text with ``verbose=true``."""
-        stats = getattr(self.session, "data_stats", lambda: None)()
-        if not stats:
-            return
-        path = storage.join(self.cfg.run_dir, DATA_STATS_FILE)
-        storage.write_text(path, stats)
-        if getattr(self.cfg, "verbose", False):
-            print(f"== data pipeline (Ray Data stats of rank 0's shard)\n{stats}", flush=True)
-        else:
-            print(f"data pipeline stats: {path}", flush=True)
 
 
 def train(cfg, strategy: Strategy, session: Session) -> dict:

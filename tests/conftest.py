@@ -18,6 +18,26 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 
 
+# `make test` hands whole files to its workers in collection order (--dist loadfile
+# --no-loadscope-reorder): the longest end-to-end files first, so the short unit files fill
+# the end and no worker is left running one long file alone. Roughly by their --durations
+# (test_e2e_sharded.py alone is ~30 min of one worker); files not named keep their place after.
+SLOWEST_FIRST = (
+    "test_e2e_sharded.py", "test_e2e_jobs.py", "test_e2e_s3.py", "test_e2e_fault_tolerance.py",
+    "test_e2e_elastic.py", "test_e2e_tp2d.py", "test_e2e_checkpoint_integrity.py",
+    "test_e2e_deploy.py", "test_e2e_preemption.py", "test_e2e_observability.py",
+    "test_e2e_docs.py",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return SLOWEST_FIRST.index(name) if name in SLOWEST_FIRST else len(SLOWEST_FIRST)
+
+    items.sort(key=rank)  # stable: within a file, and among the rest, the order is unchanged
+
+
 @dataclass
 class JobResult:
     returncode: int

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared import checkpoint, resume
-from shared.checkpoint import TrainState
+from shared import checkpoint
+from shared.checkpoint import TrainState, resume
 from shared.storage import atomic_directory
 
 

@@ -16,7 +16,6 @@ same weights up to fp32 rounding.
 
 from __future__ import annotations
 
-import io
 import json
 import subprocess
 import sys
@@ -24,9 +23,9 @@ import threading
 import time
 
 import pytest
-import torch
 from conftest import REPO, job_env
 from sample_log import committed_samples
+from weights import assert_close_weights, final_weights
 
 from ci.run_cluster import LocalCluster, cluster_env
 from shared import storage
@@ -92,11 +91,6 @@ def wait_for(condition, what: str, proc: subprocess.Popen, lines: list[str], tim
         time.sleep(0.5)
 
 
-def final_weights(summary: dict) -> dict[str, torch.Tensor]:
-    data = storage.read_bytes(storage.join(summary["checkpoint"], "model.pt"))
-    return torch.load(io.BytesIO(data), weights_only=True)["model"]
-
-
 def test_losing_and_regaining_a_node_keeps_the_batch_and_trains_each_sample_once(
     cluster, s3_prefix
 ):
@@ -134,6 +128,4 @@ def test_losing_and_regaining_a_node_keeps_the_batch_and_trains_each_sample_once
     assert sum(len(counts) for counts in committed.values()) == 32 * 48
     # The same samples per step, summed in another order at 2 workers: fp32 rounding only.
     assert summary["final_loss"] == pytest.approx(reference["final_loss"], rel=1e-4)
-    expected, got = final_weights(reference), final_weights(summary)
-    for name in expected:
-        torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-4)
+    assert_close_weights(final_weights(summary), final_weights(reference))

@@ -16,8 +16,9 @@ import torch
 from conftest import REPO, job_env, run_job
 from observability_checks import assert_held_out_loss_fell
 from sample_log import committed_samples
+from weights import assert_bitwise_equal, assert_close_weights, final_weights
 
-from shared.resume import registered_checkpoints
+from shared.checkpoint.resume import registered_checkpoints
 
 pytestmark = pytest.mark.e2e
 
@@ -29,10 +30,6 @@ def ok(result) -> dict:
     assert result.returncode == 0, result.output[-4000:]
     assert result.summary["status"] == "succeeded"
     return result.summary
-
-
-def final_weights(summary: dict) -> dict[str, torch.Tensor]:
-    return torch.load(Path(summary["checkpoint"], "model.pt"), weights_only=True)["model"]
 
 
 def assert_exactly_once(run_dir: str, steps: int = 12) -> None:
@@ -98,9 +95,7 @@ def test_worker_failure_recovers_to_the_identical_model(name, failure, reference
     assert s["samples_per_epoch"] == reference["samples_per_epoch"]
     # Same world size, deterministic data order, model/optimizer/schedule/RNG/data position
     # restored: the CPU float ops repeat exactly, so the weights are bitwise equal.
-    expected = final_weights(reference)
-    got = final_weights(s)
-    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    assert_bitwise_equal(final_weights(s), final_weights(reference))
     assert_exactly_once(s["run_dir"])
 
 
@@ -121,10 +116,7 @@ def test_world_size_changes_consume_each_sample_exactly_once(reference, storage)
     assert s["data_rows_trained"] == 4 * 32 and s["data_read_amplification"] <= 1.05
     # The same samples in the same steps, but summed in another order across ranks and
     # micro-batches: equal up to fp32 rounding (amplified a little by Adam), not bitwise.
-    expected = final_weights(reference)
-    got = final_weights(s)
-    for k in expected:
-        torch.testing.assert_close(got[k], expected[k], rtol=1e-4, atol=1e-4)
+    assert_close_weights(final_weights(s), final_weights(reference))
 
 
 def registered(run_dir: Path) -> list[str]:
@@ -154,9 +146,7 @@ def test_killed_driver_resumes_when_the_command_is_rerun(reference, storage):
     result = run_job("fault_tolerance", *cmd[2:], storage=storage)
     s = ok(result)
     assert s["resumed_from_step"] >= 4 and s["steps"] == 12
-    expected = final_weights(reference)
-    got = final_weights(s)
-    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    assert_bitwise_equal(final_weights(s), final_weights(reference))
     assert_exactly_once(s["run_dir"])
 
 

@@ -1,6 +1,7 @@
 """DDP vs FSDP2 vs ZeRO-1/2/3 on a real local Ray cluster with 2 CPU workers: same losses,
-the expected per-rank memory, exact resume, DCP resharding from 2 ranks to 1, a falling
-held-out loss, and switching strategy mid-training (init_from)."""
+the expected per-rank memory, bitwise-exact resume, resuming on another world size both ways
+(DDP, FSDP's DCP, ZeRO-3's universal format), a falling held-out loss, and switching strategy
+mid-training (init_from)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from conftest import run_job
 from observability_checks import assert_held_out_loss_fell, assert_trace_has_step_ranges
 from sample_log import committed_samples
+from weights import assert_bitwise_equal, assert_close_weights, final_weights
 
 pytestmark = pytest.mark.e2e
 
@@ -132,9 +134,11 @@ def test_planner_predicts_each_strategys_measured_model_state_bytes(runs):
         assert model_state_per_rank(model, strategy, gpus=2) == measured, run
 
 
-# FSDP's DCP resume is covered below (2 -> 1 ranks) and by tests/test_e2e_tp2d.py.
-@pytest.mark.parametrize("name", ["zero3"])
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "zero3"])
 def test_stop_and_resume_continues_the_same_trajectory(name, runs, storage):
+    """Stopped at step 8 and resumed on as many ranks: model, optimizer, LR schedule, data
+    position and RNG all restored, so the CPU float ops repeat exactly: the same losses and
+    bitwise the same weights as the uninterrupted run (model.pt, DCP shards, DeepSpeed)."""
     job, *extra = VARIANTS[name]
     run = f"resume-{name}"
     first = ok(run_job(job, *extra, *STEPS, f"run_name={run}", "stop_at_step=8", storage=storage))
@@ -143,43 +147,41 @@ def test_stop_and_resume_continues_the_same_trajectory(name, runs, storage):
     assert second["resumed_from_step"] == 8 and second["steps"] == 16
     resumed, uninterrupted = losses(second), losses(runs[name])
     assert sorted(resumed) == list(range(1, 17))
-    # Model, optimizer, LR schedule, data position and RNG all restored: the same numbers.
-    assert [resumed[s] for s in range(9, 17)] == pytest.approx(
-        [uninterrupted[s] for s in range(9, 17)], rel=1e-6
-    )
+    assert [resumed[s] for s in range(9, 17)] == [uninterrupted[s] for s in range(9, 17)]
+    assert_bitwise_equal(final_weights(second), final_weights(runs[name]))
 
 
-def test_fsdp_checkpoint_from_two_ranks_resumes_on_one(runs, storage):
-    """DCP stores each tensor's global shape and every shard's offset, so 1 rank can load
-    what 2 ranks wrote."""
-    run = "reshard"
-    ok(run_job("fsdp", *STEPS, f"run_name={run}", "stop_at_step=8", "log_samples=true",
-               storage=storage))  # fmt: skip
-    # The same global batch of 32 on one worker (the resume contract refuses another batch).
-    one = ok(run_job("fsdp", *STEPS, f"run_name={run}", "num_workers=1", "grad_accum=4",
-                     "log_samples=true", storage=storage))  # fmt: skip
-    assert one["world_size"] == 1 and one["resumed_from_step"] == 8 and one["steps"] == 16
-    assert_resized_run_trained_the_uninterrupted_samples(one, runs["fsdp"])
-    # Same samples in the same steps as the 2-rank run: equal up to fp32 summation order.
-    assert one["attempt_initial_loss"] == pytest.approx(losses(runs["fsdp"])[9], rel=1e-4)
-    assert one["final_loss"] < one["attempt_initial_loss"]
-    # One rank now holds everything: twice the 2-rank shard.
-    assert one["model_state_bytes_per_rank"]["params"] == pytest.approx(
-        2 * runs["fsdp"]["model_state_bytes_per_rank"]["params"], rel=0.01
-    )
+# A world size's settings with the same global batch of 32 (the resume contract refuses
+# another batch): 1 rank accumulates 4 micro-batches of 8, 2 ranks 2 each.
+WORLD = {1: ("num_workers=1", "grad_accum=4"), 2: ("num_workers=2", "grad_accum=2")}
 
 
-def test_ddp_checkpoint_from_one_rank_resumes_on_two(runs, storage):
-    """The other direction: 1 rank (accumulating 4 micro-batches) stops mid-epoch, 2 ranks
-    finish the epoch's global batches from the checkpoint's position."""
-    run = "grow"
-    ok(run_job("ddp", *STEPS, f"run_name={run}", "stop_at_step=8", "num_workers=1",
-               "grad_accum=4", "log_samples=true", storage=storage))  # fmt: skip
-    two = ok(run_job("ddp", *STEPS, f"run_name={run}", "log_samples=true", storage=storage))
-    assert two["world_size"] == 2 and two["resumed_from_step"] == 8 and two["steps"] == 16
-    assert_resized_run_trained_the_uninterrupted_samples(two, runs["ddp"])
-    assert two["attempt_initial_loss"] == pytest.approx(losses(runs["ddp"])[9], rel=1e-4)
-    assert losses(two)[16] == pytest.approx(losses(runs["ddp"])[16], rel=1e-4)
+@pytest.mark.parametrize("job, sizes", [("fsdp", (2, 1, 2)), ("ddp", (1, 2, 1))])
+def test_a_checkpoint_resumes_on_another_world_size_both_ways(job, sizes, runs, storage):
+    """Steps 1-8, 9-12 and 13-16 on the world sizes given, each attempt stopping mid-epoch and
+    the next resuming at the other size: DCP stores each tensor's global shape and every
+    shard's offset, so 1 rank loads what 2 wrote and back; the data position is in samples of
+    the epoch's order, so every size finishes exactly the global batches left."""
+    run, reference = f"resize-{job}", runs[job]
+    attempts = []
+    for size, stop in zip(sizes, ("stop_at_step=8", "stop_at_step=12", "stop_at_step=0"),
+                          strict=True):  # fmt: skip
+        attempts.append(ok(run_job(job, *STEPS, *WORLD[size], f"run_name={run}", stop,
+                                   "log_samples=true", storage=storage)))  # fmt: skip
+    uninterrupted = losses(reference)
+    for size, start, attempt in zip(sizes, (0, 8, 12), attempts, strict=True):
+        assert attempt["world_size"] == size and attempt["resumed_from_step"] == (start or None)
+        # The same samples in the same steps, summed in another order: fp32 rounding only.
+        initial = attempt["attempt_initial_loss"]
+        assert initial == pytest.approx(uninterrupted[start + 1], rel=1e-4)
+        # FSDP: one rank holds all of the model, twice the 2-rank shard; DDP: all on each.
+        params = reference["model_state_bytes_per_rank"]["params"]
+        expected = 2 * params if job == "fsdp" and size == 1 else params  # 2-rank shards pad
+        assert attempt["model_state_bytes_per_rank"]["params"] == pytest.approx(expected, rel=0.01)
+    last = attempts[-1]
+    assert last["steps"] == 16 and losses(last)[16] == pytest.approx(uninterrupted[16], rel=1e-4)
+    assert_resized_run_trained_the_uninterrupted_samples(last, reference, attempt_steps=4)
+    assert_close_weights(final_weights(last), final_weights(reference))
 
 
 def test_zero3_resumes_on_one_rank_then_on_two_through_the_universal_format(runs, storage):
@@ -212,14 +214,16 @@ def test_zero3_resumes_on_one_rank_then_on_two_through_the_universal_format(runs
     )
 
 
-def assert_resized_run_trained_the_uninterrupted_samples(resized: dict, reference: dict):
-    """Across the resize: each sample of the epoch's first 16 global batches exactly once,
-    the same ones as the uninterrupted run, and the resumed part read each row once."""
+def assert_resized_run_trained_the_uninterrupted_samples(
+    resized: dict, reference: dict, attempt_steps: int
+):
+    """Across the resizes: each sample of the epoch's first 16 global batches exactly once,
+    the same ones as the uninterrupted run, and the last attempt read each of its rows once."""
     committed = committed_samples(resized["run_dir"])
     assert sum(len(c) for c in committed.values()) == 16 * 32
     assert all(set(c.values()) == {1} for c in committed.values())
     assert committed == committed_samples(reference["run_dir"])
-    assert resized["data_rows_trained"] == 8 * 32  # this attempt's 8 steps
+    assert resized["data_rows_trained"] == attempt_steps * 32
     assert resized["data_read_amplification"] <= 1.05
 
 

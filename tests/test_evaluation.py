@@ -15,7 +15,8 @@ from shared.config import TrainConfig
 from shared.data import generate_news_corpus
 from shared.evaluation import HELD_OUT_SEED, Evaluator, validation_blocks
 from shared.loop import train
-from shared.models import build_gpt2, unwrap
+from shared.models.gpt2 import build_gpt2
+from shared.models.structure import unwrap
 from shared.parallel.ddp import DDPStrategy, apply_ddp
 from shared.runtime.torchrun import TorchrunSession, rank_batches
 from shared.runtime.worker import seed_everything

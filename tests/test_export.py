@@ -20,9 +20,10 @@ import torch.multiprocessing as mp
 from conftest import tiny_corpus_blocks
 
 from shared import config as config_module
+from shared.config.run_settings import SETTINGS_FILE, settings_record
 from shared.loop import train
-from shared.models import build_gpt2, unwrap
-from shared.run_settings import SETTINGS_FILE, settings_record
+from shared.models.gpt2 import build_gpt2
+from shared.models.structure import unwrap
 from shared.runtime.torchrun import TorchrunSession, rank_batches
 from shared.runtime.worker import seed_everything
 
@@ -66,7 +67,7 @@ def _strategy(case: str, cfg, spec: dict):
     cpu = torch.device("cpu")
     seed_everything(cfg.seed)
     if case == "tp2d":
-        from shared.llama import build_llama
+        from shared.models.llama import build_llama
         from shared.parallel.fsdp import apply_fsdp
         from shared.parallel.tp import TP2DStrategy, apply_tp, device_mesh_2d
 
@@ -191,7 +192,7 @@ def test_rope_permutation_matters():
     """Without the rotary reordering the Llama export's logits are wrong (the check above
     would catch a wrong permutation): compare our model with a plain name mapping."""
     from shared.export import hf
-    from shared.llama import LLAMA_PRESETS, build_llama
+    from shared.models.llama import LLAMA_PRESETS, build_llama
 
     seed_everything(0)
     ours = build_llama("llama-tiny", 64).eval()

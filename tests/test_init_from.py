@@ -11,10 +11,10 @@ import pytest
 import torch
 from conftest import run_job
 
-from shared import checkpoint, init_from
-from shared.checkpoint import TrainState
+from shared import checkpoint
+from shared.checkpoint import TrainState, init_from
 from shared.config import ConfigError, TrainConfig
-from shared.models import build_gpt2
+from shared.models.gpt2 import build_gpt2
 from shared.optim import build_adamw, warmup_cosine
 
 SMOKE_VOCAB = 512  # the generated corpus' tokenizer (shared.data.generate_news_corpus)
@@ -38,7 +38,7 @@ def write_llama_dcp_checkpoint(directory: Path, step: int) -> Path:
     which DCP reads the same way)."""
     import torch.distributed.checkpoint as dcp
 
-    from shared.llama import build_llama
+    from shared.models.llama import build_llama
 
     directory.mkdir(parents=True)
     state = {"model": build_llama("llama-tiny", SMOKE_VOCAB).state_dict()}

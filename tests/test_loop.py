@@ -15,7 +15,8 @@ from conftest import tiny_corpus_blocks
 
 from shared.config import TrainConfig
 from shared.loop import train
-from shared.models import build_gpt2, unwrap
+from shared.models.gpt2 import build_gpt2
+from shared.models.structure import unwrap
 from shared.parallel.ddp import DDPStrategy, apply_ddp
 from shared.runtime import preemption
 from shared.runtime.torchrun import TorchrunSession, rank_batches

@@ -100,7 +100,7 @@ def blocks(tmp_path_factory) -> tuple[torch.Tensor, dict]:
 
 def _ddp_rank(rank, world, init_file, cfg, data, spec):
     from shared.loop import train
-    from shared.models import build_gpt2
+    from shared.models.gpt2 import build_gpt2
     from shared.parallel.ddp import DDPStrategy, apply_ddp
     from shared.runtime.torchrun import TorchrunSession, rank_batches
     from shared.runtime.worker import seed_everything

@@ -124,8 +124,8 @@ def test_korthikanti_sequence_parallel_plus_selective_is_5x_below_tensor_paralle
 
 @pytest.mark.parametrize("preset", ["gpt2-tiny", "gpt2", "gpt2-xl", "llama-tiny", "llama-500m"])
 def test_inventory_matches_the_models_the_jobs_build(preset):
-    from shared.llama import LLAMA_PRESETS, build_llama
-    from shared.models import build_gpt2
+    from shared.models.gpt2 import build_gpt2
+    from shared.models.llama import LLAMA_PRESETS, build_llama
 
     with torch.device("meta"):  # shapes only: even gpt2-xl builds instantly
         if preset in LLAMA_PRESETS:
@@ -309,7 +309,7 @@ def _measure_worker(rank: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
         from shared.config import FSDPConfig, ZeroConfig
-        from shared.models import build_gpt2
+        from shared.models.gpt2 import build_gpt2
         from shared.parallel.fsdp import FSDPStrategy, apply_fsdp, data_parallel_mesh
         from shared.parallel.zero import ZeroStrategy
         from shared.runtime.worker import seed_everything

@@ -11,10 +11,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from shared.config import ConfigError, FaultToleranceConfig, TrainConfig, build_config, parse_args
+from shared.config.run_settings import SETTINGS_FILE, check_resume
 from shared.data import TextSource, check_text_dataset
 from shared.observability.log_filter import BENIGN, FilteredStream, OutputFilter
 from shared.observability.metrics import strict_json
-from shared.run_settings import SETTINGS_FILE, check_resume
 
 # ------------------------------------------------------------------------------------------
 # resume contract

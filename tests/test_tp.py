@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shared.config import TP2DConfig
-from shared.llama import build_llama, next_token_targets
+from shared.models.llama import build_llama, next_token_targets
 from shared.parallel.fsdp import apply_fsdp
 from shared.parallel.tp import TP2DStrategy, apply_tp, device_mesh_2d, gather_tp_batches
 from shared.runtime.worker import seed_everything

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shared.config import ZeroConfig
-from shared.models import build_gpt2
+from shared.models.gpt2 import build_gpt2
 from shared.parallel import zero
 from shared.runtime.worker import seed_everything
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 import ray.train.torch
 
 from shared.config import TrainConfig, parse_args
+from shared.config.profiles import GPT2_AG_NEWS
 from shared.loop import train
 from shared.parallel.ddp import DDPStrategy
 from shared.precision import resolve_dtype
-from shared.profiles import GPT2_AG_NEWS
 from shared.runtime.driver import train_on_text
 from shared.runtime.worker import start_gpt2_worker
 

@@ -25,12 +25,12 @@ import ray.train.torch
 from shared import storage
 from shared.checkpoint import TRAIN_STATE_FILE
 from shared.config import FaultToleranceConfig, parse_args
+from shared.config.profiles import GPT2_AG_NEWS
 from shared.loop import train
-from shared.models import build_gpt2
+from shared.models.gpt2 import build_gpt2
 from shared.parallel.ddp import DDPStrategy
 from shared.parallel.fsdp import FSDPStrategy, apply_fsdp, data_parallel_mesh
 from shared.precision import resolve_dtype
-from shared.profiles import GPT2_AG_NEWS
 from shared.runtime import elastic
 from shared.runtime.driver import JobRun, train_on_text
 from shared.runtime.faults import FailureInjector, FaultInjectingStrategy

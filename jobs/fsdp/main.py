@@ -12,10 +12,10 @@ block's full parameters only while it computes that block.
 from __future__ import annotations
 
 from shared.config import FSDPConfig, parse_args
+from shared.config.profiles import GPT2_AG_NEWS
 from shared.loop import train
 from shared.parallel.fsdp import FSDPStrategy, apply_fsdp, data_parallel_mesh
 from shared.precision import DTYPE_NAMES, resolve_dtype
-from shared.profiles import GPT2_AG_NEWS
 from shared.runtime.driver import train_on_text
 from shared.runtime.worker import start_gpt2_worker
 

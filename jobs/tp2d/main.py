@@ -13,8 +13,8 @@ from __future__ import annotations
 import ray
 
 from shared.config import TP2DConfig, parse_args
-from shared.llama import build_llama
 from shared.loop import train
+from shared.models.llama import build_llama
 from shared.parallel.fsdp import apply_fsdp
 from shared.parallel.tp import TP2DStrategy, TPGroupSession, apply_tp, device_mesh_2d, placement
 from shared.precision import resolve_dtype

@@ -12,10 +12,10 @@ partitions to CPU memory when even 1/N does not fit on the device.
 from __future__ import annotations
 
 from shared.config import ZeroConfig, parse_args
+from shared.config.profiles import GPT2_AG_NEWS
 from shared.loop import train
 from shared.parallel.zero import ZeroStrategy
 from shared.precision import DTYPE_NAMES, resolve_dtype
-from shared.profiles import GPT2_AG_NEWS
 from shared.runtime.driver import train_on_text
 from shared.runtime.worker import start_gpt2_worker
 

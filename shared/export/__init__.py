@@ -8,8 +8,8 @@ The result loads with ``AutoModelForCausalLM.from_pretrained`` and
 and ``export_info.json`` (which checkpoint, which step, which format it came from). Default
 destination: ``<run_dir>/export/step_<N>``.
 
-Which checkpoint: the newest one whose manifests verify (shared/resume.py, the one a rerun
-would resume from), or ``step=N``, which must verify too: a half-written checkpoint is
+Which checkpoint: the newest one whose manifests verify (shared/checkpoint/resume.py, the one
+a rerun would resume from), or ``step=N``, which must verify too: a half-written checkpoint is
 refused, never exported. Writing goes to a temporary directory renamed when complete; on
 object storage (renames are copies) every file is uploaded first and ``config.json`` last,
 so a directory without ``config.json`` is an unfinished export that nothing can load.
@@ -27,7 +27,7 @@ from shared.checkpoint import CheckpointInvalid, verify_checkpoint
 
 EXPORT_DIR = "export"
 INFO_FILE = "export_info.json"
-SETTINGS_FILE = "settings.json"  # shared/run_settings.py
+SETTINGS_FILE = "settings.json"  # shared/config/run_settings.py
 
 
 class ExportError(ValueError):
@@ -41,13 +41,13 @@ def hf_model_from_checkpoint(directory: str, model: str, eos_token_id: int | Non
 
     state = sources.full_state_dict(directory)
     if model.startswith("llama"):
-        from shared.llama import LLAMA_PRESETS
+        from shared.models.llama import LLAMA_PRESETS
 
         if "tok_embeddings.weight" not in state:
             raise ExportError(f"{directory} holds no Llama weights but the run's model is {model}")
         result = hf.llama_hf_model(state, LLAMA_PRESETS[model], eos_token_id)
     else:
-        from shared.models import PRESETS
+        from shared.models.gpt2 import PRESETS
 
         if "transformer.wte.weight" not in state:
             raise ExportError(f"{directory} holds no GPT-2 weights but the run's model is {model}")
@@ -58,7 +58,7 @@ def hf_model_from_checkpoint(directory: str, model: str, eos_token_id: int | Non
 def export_checkpoint(checkpoint: str, dest: str, model: str, tokenizer: str,
                       pretrained: str = "", step: int | None = None) -> str:  # fmt: skip
     """Write the HF directory for ``checkpoint`` (local or remote) to ``dest``; return dest."""
-    from shared import resume
+    from shared.checkpoint import resume
     from shared.data import load_tokenizer
     from shared.export.sources import checkpoint_format
 
@@ -114,7 +114,7 @@ def run_tokenizer(run_dir: str, settings: dict) -> str:
 
 def select_checkpoint(run_dir: str, step: int | None = None) -> tuple[str, int]:
     """(path, step) of the verified checkpoint to export: the newest, or the given step's."""
-    from shared import resume
+    from shared.checkpoint import resume
 
     if not storage.exists(run_dir):
         raise ExportError(f"run directory {run_dir} does not exist")

@@ -1,7 +1,7 @@
 """The training models as Hugging Face ``transformers`` models: configs and parameter names.
 
 GPT-2 jobs train a ``GPT2LMHeadModel`` already, so only the config is rebuilt. The tp2d job
-trains our Llama (shared/llama.py); it maps onto ``LlamaForCausalLM`` name by name, with one
+trains our Llama (shared/models/llama.py); it maps onto ``LlamaForCausalLM`` name by name, with one
 numerical difference: our RoPE rotates *consecutive* channel pairs (2i, 2i+1) of each head,
 transformers' ``rotate_half`` rotates channel i with channel i + head_dim/2. Both give the
 same attention scores once the rows of ``wq`` and ``wk`` are reordered inside every head

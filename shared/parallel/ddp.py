@@ -13,7 +13,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 from shared import checkpoint
-from shared.models import unwrap
+from shared.models.structure import unwrap
 from shared.observability.profiling import GRADIENT_SYNC, trace_range
 from shared.parallel.base import Strategy
 

@@ -26,7 +26,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 from torch.distributed.tensor import DTensor
 
-from shared.models import transformer_blocks
+from shared.models.structure import transformer_blocks
 from shared.observability.profiling import GRADIENT_SYNC, trace_range
 from shared.parallel.base import Strategy
 

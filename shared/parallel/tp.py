@@ -91,7 +91,7 @@ class TP2DStrategy(FSDPStrategy):
     name = "tp x fsdp"
 
     def forward_backward(self, input_ids: torch.Tensor, sync: bool) -> torch.Tensor:
-        from shared.llama import next_token_targets
+        from shared.models.llama import next_token_targets
 
         with self.gradient_sync(sync), loss_parallel():
             # loss_parallel computes cross-entropy on vocab-sharded logits without gathering

@@ -35,7 +35,7 @@ numbers equal what the strategies in ``shared/parallel`` measure (``model_state_
   ``master_params`` and counted with the optimizer states, as the ZeRO paper's K does.
 * torch's AdamW keeps a 4-byte ``step`` tensor per parameter tensor; DeepSpeed one per flat
   (sub-)group. Parameters are counted as stored: a tied embedding once, position embeddings in
-  (``shared.models.count_params`` leaves them out because it counts FLOPs, not bytes).
+  (``shared.models.structure.count_params`` leaves them out because it counts FLOPs, not bytes).
 * Tensor parallelism splits the matrices (Megatron / torchtitan plans, see
   ``shared/parallel/tp.py``) and replicates norms and row-parallel biases on every TP rank.
 

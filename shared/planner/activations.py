@@ -32,7 +32,7 @@ def layer_activation_bytes(
     inner activations.
 
     ``attention="sdpa"`` (PyTorch's fused scaled_dot_product_attention: flash or memory-
-    efficient kernels, what shared/llama.py and transformers' GPT-2 use) never stores the
+    efficient kernels, what shared/models/llama.py and transformers' GPT-2 use) never stores the
     a*s*s score matrix, softmax or its dropout: the 5as/h term is gone whatever the
     recomputation. ``"eager"`` is the paper's attention, which stores them.
     """
@@ -65,7 +65,7 @@ def sdpa_layer_bytes(
     checked against the CPU measurement (``shared.planner.measure``, tests/test_planner.py,
     docs/planner.md). In units of s*b*h elements, k = kv_heads / heads, f' = ffn / h:
 
-    * Llama (``shared/llama.py``: RMSNorm, separate wq/wk/wv, RoPE, SwiGLU):
+    * Llama (``shared/models/llama.py``: RMSNorm, separate wq/wk/wv, RoPE, SwiGLU):
       8 + 2k + 4f' - each norm's normed and weighted outputs (2 x 2), q, k, v (1 + 2k), the
       attention output, the residual stream after attention and after the MLP (2), and w1,
       w3, silu and their product (4f'). 16-bit training adds one element per norm: RMSNorm

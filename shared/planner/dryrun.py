@@ -179,10 +179,10 @@ def fake_world(world: int):
 
 def build_model(job: str, cfg, vocab: int) -> torch.nn.Module:
     if job == "tp2d":
-        from shared.llama import build_llama
+        from shared.models.llama import build_llama
 
         return build_llama(cfg.model, vocab)
-    from shared.models import build_gpt2
+    from shared.models.gpt2 import build_gpt2
 
     return build_gpt2(cfg.model, vocab, cfg.seq_len)  # pretrained weights: the same shapes
 
@@ -250,7 +250,7 @@ def traced_activations(job: str, cfg, vocab: int, dtype: torch.dtype, tp_mesh) -
     if job == "tp2d":
         from torch.distributed.tensor.parallel import parallelize_module
 
-        from shared.llama import LLAMA_PRESETS, Block
+        from shared.models.llama import LLAMA_PRESETS, Block
         from shared.parallel.tp import BLOCK_PLAN
 
         preset = LLAMA_PRESETS[cfg.model]
@@ -261,7 +261,7 @@ def traced_activations(job: str, cfg, vocab: int, dtype: torch.dtype, tp_mesh) -
         from transformers import GPT2Config
         from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
-        from shared.models import PRESETS
+        from shared.models.gpt2 import PRESETS
 
         p = PRESETS[cfg.model]
         # Dropout off: on the CPU, SDPA with dropout falls back to the kernel that stores the
@@ -459,7 +459,7 @@ def dry_run(job: str, profile: str, overrides: list[str], out=print,
 
 
 def _blocks(model):
-    from shared.models import transformer_blocks
+    from shared.models.structure import transformer_blocks
 
     return list(transformer_blocks(model))
 

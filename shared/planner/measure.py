@@ -91,7 +91,7 @@ def saved_bytes_per_block(model: torch.nn.Module, blocks, input_ids: torch.Tenso
 class Point:
     """One measured configuration."""
 
-    model: str  # "gpt2" (transformers GPT-2, SDPA) or "llama" (shared.llama)
+    model: str  # "gpt2" (transformers GPT-2, SDPA) or "llama" (shared.models.llama)
     batch: int
     seq: int
     hidden: int
@@ -145,7 +145,7 @@ def _llama_ffn(hidden: int) -> int:
 
 def _build(point: Point) -> tuple[torch.nn.Module, torch.nn.ModuleList]:
     if point.model == "llama":
-        from shared.llama import Llama, LlamaPreset
+        from shared.models.llama import Llama, LlamaPreset
 
         preset = LlamaPreset(
             dim=point.hidden, n_layers=point.layers, n_heads=point.heads,
@@ -156,7 +156,7 @@ def _build(point: Point) -> tuple[torch.nn.Module, torch.nn.ModuleList]:
         return model, model.layers
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    # As shared.models.build_gpt2 configures it (use_cache left at its default, as the jobs do).
+    # As shared.models.gpt2.build_gpt2 configures it (use_cache at its default, as in the jobs).
     config = GPT2Config(
         vocab_size=point.vocab, n_positions=point.seq, n_embd=point.hidden,
         n_layer=point.layers, n_head=point.heads, resid_pdrop=point.dropout,

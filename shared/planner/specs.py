@@ -37,7 +37,7 @@ class ModelSpec:
     gated_mlp: bool = False  # SwiGLU (Llama) vs GELU (GPT-2)
     dropout: bool = False  # GPT-2 presets train with dropout 0.1 (masks are saved)
     # Whose activations: "gpt2" (transformers' GPT-2 as shared.models builds it), "llama"
-    # (shared.llama), "generic" (any other model: Korthikanti et al.'s formula).
+    # (shared.models.llama), "generic" (any other model: Korthikanti et al.'s formula).
     layout: str = "generic"
     experts: int = 1  # MoE experts per layer (1 = dense)
     experts_per_token: int = 1
@@ -108,7 +108,7 @@ def llama_tensors(
     tied: bool = False,
     experts: int = 1,
 ):
-    """``shared.llama.Llama``'s parameters in order, TP dims as in ``shared/parallel/tp.py``:
+    """``shared.models.llama.Llama``'s parameters in order, TP dims as in ``shared/parallel/tp.py``:
     wq/wk/wv/w1/w3 and the output colwise (dim 0 of [out, in]), wo/w2 rowwise (dim 1), the
     token embedding rowwise (dim 0, vocab rows), norms replicated. An MoE layer has ``experts``
     copies of the MLP and a router (Mixtral's layout)."""
@@ -151,18 +151,18 @@ GPT2_VOCAB = 50257  # the GPT-2 tokenizer; the tp2d full profile uses it for lla
 
 
 def preset_names() -> list[str]:
-    from shared.llama import LLAMA_PRESETS
-    from shared.models import PRESETS
+    from shared.models.gpt2 import PRESETS
+    from shared.models.llama import LLAMA_PRESETS
 
     return sorted({*PRESETS, *LLAMA_PRESETS, *LLAMA2_SHAPES})
 
 
 def from_preset(name: str, vocab: int = 0, seq_len: int = 0) -> ModelSpec:
-    """A preset of ``shared.models`` / ``shared.llama`` (the same numbers the jobs train) or a
+    """A preset of ``shared.models`` (GPT-2 or Llama: the same numbers the jobs train) or a
     Llama 2 shape. ``vocab`` defaults to the real tokenizer's (the smoke runs train a 512-token
     one: pass ``vocab=512`` to compare with them)."""
-    from shared.llama import LLAMA_PRESETS
-    from shared.models import PRESETS
+    from shared.models.gpt2 import PRESETS
+    from shared.models.llama import LLAMA_PRESETS
 
     if name in PRESETS:
         p = PRESETS[name]
@@ -190,7 +190,7 @@ def from_preset(name: str, vocab: int = 0, seq_len: int = 0) -> ModelSpec:
             vocab, context = vocab or GPT2_VOCAB, p.max_seq_len
         else:
             dims, vocab, context = LLAMA2_SHAPES[name], vocab or LLAMA2_VOCAB, LLAMA2_CONTEXT
-        # shared.llama builds all of these (the Llama 2 shapes too, as jobs/tp2d would).
+        # shared.models.llama builds all of these (the Llama 2 shapes too, as jobs/tp2d would).
         return _llama_spec(name, **dims, vocab=vocab, context=context, layout="llama")
     raise ConfigError(f"unknown preset '{name}'; valid presets: {', '.join(preset_names())}.")
 

@@ -18,12 +18,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared import init_from, resume, storage
+from shared import storage
+from shared.checkpoint import init_from, resume
 from shared.config import ConfigError, user_fields
+from shared.config.run_settings import check_resume
 from shared.observability import startup
 from shared.observability.metrics import DIVERGENCE_FILE, strict_json
 from shared.observability.stack import DRIVER, register_process
-from shared.run_settings import check_resume
 from shared.runtime import preemption
 from shared.runtime.cluster import (
     ClusterInfo,
@@ -277,7 +278,7 @@ def job_run(cfg, run: JobRun | None = None, preflight=()) -> Iterator[JobRun]:
     """Check settings, connect to Ray, run the body, always end with the SUMMARY line.
 
     Before any cluster starts: local resources, the ``preflight`` checks (e.g. the dataset)
-    and the resume contract (shared/run_settings.py). Exit status: 0 on success, 2 for a bad
+    and the resume contract (shared/config/run_settings.py). Exit status: 0 on success, 2 for a bad
     setting, 1 for a failed or diverged run.
     """
     run = run or JobRun(cfg)

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from shared import resume
+from shared.checkpoint import resume
 from shared.data import EpochReader, memory_rows, tokenize_and_pack
 from shared.data.session import data_position_record, data_read_summary
 
@@ -109,7 +109,7 @@ class TorchrunSession:
 
     @contextlib.contextmanager
     def latest_checkpoint(self) -> Iterator[str | None]:
-        """The newest checkpoint whose manifests verify (shared/resume.py)."""
+        """The newest checkpoint whose manifests verify (shared/checkpoint/resume.py)."""
         with resume.open_checkpoint(self.resume_plan().checkpoint) as directory:
             yield directory
 

@@ -16,7 +16,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from shared import init_from, resume, storage
+from shared import storage
+from shared.checkpoint import init_from, resume
 from shared.data import EpochReader, PackedDataset, ray_rows
 from shared.data.session import data_position_record, data_read_summary
 from shared.observability.stack import register_process
@@ -77,7 +78,7 @@ class RaySession:
 
     @contextlib.contextmanager
     def latest_checkpoint(self) -> Iterator[str | None]:
-        """The newest registered checkpoint that verifies (shared/resume.py), as a local dir."""
+        """The newest registered checkpoint that verifies (checkpoint/resume.py), as a local dir."""
         with resume.open_checkpoint(self.resume_plan().checkpoint) as directory:
             yield directory
 
@@ -160,7 +161,7 @@ def _attempt_id(rank: int) -> int:
 def start_gpt2_worker(config: dict):
     """The first lines of every GPT-2 ``train_loop_per_worker``: this worker's session and a
     seeded model (same seed on every rank, so all ranks start from identical weights)."""
-    from shared.models import build_gpt2
+    from shared.models.gpt2 import build_gpt2
 
     cfg = config["cfg"]
     session = RaySession(cfg, config["packed"])

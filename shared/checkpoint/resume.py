@@ -4,8 +4,8 @@ Ray Train 2.60 hands a worker only the latest *registered* checkpoint
 (``ray.train.get_checkpoint()``). Registered means every rank reported, not that the files in
 storage are intact: a truncated ``model.pt`` would end the run. So rank 0 lists the
 checkpoints Ray registered (its run snapshot, ``checkpoint_manager_snapshot.json`` in the run
-directory), verifies their manifests newest first (shared/checkpoint.py), skips a bad one with
-one warning line naming the bad file, and tells every rank which one to load. Unregistered
+directory), verifies their manifests newest first (format.py), skips a bad one with one
+warning line naming the bad file, and tells every rank which one to load. Unregistered
 ``step_*`` directories (a peer died before the report) are never resumed from.
 """
 

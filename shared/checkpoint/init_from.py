@@ -46,15 +46,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shared import checkpoint, optim, resume, storage
-from shared.checkpoint import CheckpointInvalid, TrainState
+from shared import checkpoint, optim, storage
+from shared.checkpoint import CheckpointInvalid, TrainState, resume
 from shared.config import ConfigError
 
 JOBS = ("ddp", "fsdp", "zero")
 # checkpoint format (shared/export/sources.py) -> the GPT-2 job that writes it
 FORMAT_JOB = {"ddp": "ddp", "dcp": "fsdp", "deepspeed": "zero"}
 HF_CONFIG = "config.json"
-SETTINGS_FILE = "settings.json"  # shared/run_settings.py, in the source's run directory
+SETTINGS_FILE = "settings.json"  # shared/config/run_settings.py, in the source's run directory
 
 
 @dataclass
@@ -148,7 +148,7 @@ def _run_settings(checkpoint_dir: str) -> dict:
 def check(cfg, vocab_size: int, eos_token_id: int | None) -> None:
     """Driver preflight: resolve ``cfg.init_from`` and check that its weights fit this run's
     model (names and shapes). Records the resolved path for the workers."""
-    from shared.run_settings import has_checkpoints
+    from shared.config.run_settings import has_checkpoints
 
     if not getattr(cfg, "init_from", ""):
         return
@@ -170,7 +170,7 @@ def check(cfg, vocab_size: int, eos_token_id: int | None) -> None:
 
 def _expected_shapes(cfg, vocab_size: int, eos_token_id: int | None) -> dict[str, tuple]:
     """Parameter names and shapes of this run's model, built on the meta device (no memory)."""
-    from shared.models import build_gpt2
+    from shared.models.gpt2 import build_gpt2
 
     with torch.device("meta"):
         if cfg.pretrained:

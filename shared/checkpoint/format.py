@@ -11,7 +11,7 @@ Each rank writes its part into a local staging directory keyed by run, attempt a
 ranks' directories into one checkpoint in storage and registers it only after every rank has
 reported. Resume trusts neither the registration nor the newest name alone: it verifies the
 manifests (every rank's, every file's size and checksum) and falls back to the newest
-checkpoint that passes (shared/resume.py).
+checkpoint that passes (shared/checkpoint/resume.py).
 """
 
 from __future__ import annotations
