@@ -27,7 +27,7 @@ from shared.data import (
     packed_dataset,
     ray_rows,
 )
-from shared.data.reader import read_units
+from shared.data.reader import read_chunk, read_units
 
 pytestmark = pytest.mark.e2e
 
@@ -102,6 +102,54 @@ def test_second_run_reuses_the_packed_dataset_and_killed_writes_are_never_used(
         check_packed(first)
     with pytest.raises(ConfigError, match="fewer than one global batch of 100000"):
         check_enough_samples(first, 100_000)
+
+
+def test_ray_tasks_write_the_chunks_in_stream_order_and_the_driver_writes_none(
+    ray_local, corpus, tmp_path, monkeypatch
+):
+    """The rows go from the tokenising tasks to the writing tasks through Ray's object store:
+    the driver (this process) only hands block references on and writes the manifest, so the
+    pass scales with the cluster, not with one process. The files are the ordered stream cut
+    every ``chunk_rows`` rows, whatever the blocks' sizes."""
+    import pyarrow.parquet as pq
+
+    from shared.data.source import build_text_dataset
+
+    def driver_write(*args, **kwargs):
+        raise AssertionError("the driver wrote a chunk file")
+
+    monkeypatch.setattr(pq, "write_table", driver_write)
+    cfg = DataSettings(str(tmp_path), pack_chunk_rows=7)  # blocks never align with chunks
+    packed = packed_dataset(corpus, cfg, log=lambda line: None)
+    monkeypatch.undo()
+
+    stream = build_text_dataset(corpus, cfg.seq_len).iter_batches(
+        batch_size=7, batch_format="numpy"
+    )
+    expected = [np.stack(list(batch["input_ids"])) for batch in stream]
+    assert len(packed.files) == len(expected) > 10
+    assert packed.num_samples == sum(len(rows) for rows in expected)
+    for index, (name, rows) in enumerate(zip(packed.files, expected, strict=True)):
+        chunk = pq.ParquetFile(os.path.join(packed.path, name))
+        table = chunk.read()
+        first = 7 * index
+        assert table.column("sample_id").to_pylist() == list(range(first, first + len(rows)))
+        written = table.column("input_ids").to_numpy(zero_copy_only=False)
+        assert np.array_equal(np.stack(written), rows)
+        assert chunk.metadata.num_row_groups == len(rows)  # a row group per row (ROW_GROUP_ROWS)
+
+    # A damaged byte that keeps the file's size passes the size check but not the page CRCs:
+    # one sentence naming the file, where old caches decoded other token ids without a word.
+    path = os.path.join(packed.path, packed.files[1])
+    column = pq.ParquetFile(path).metadata.row_group(0).column(1)  # sample 7's input_ids
+    start = column.dictionary_page_offset or column.data_page_offset
+    data = bytearray(Path(path).read_bytes())
+    data[start + column.total_compressed_size - 3] ^= 0x5A
+    Path(path).write_bytes(data)
+    check_packed(packed)  # same size: only the pages can tell
+    with pytest.raises(ConfigError, match=r"cached packed shard .*chunk-000001.parquet.* checksum"):
+        read_chunk(path, [7])
+    assert read_chunk(path, [8]).num_rows == 1  # the rows around it are intact
 
 
 def test_a_split_pattern_packs_only_that_splits_rows(ray_local, corpus, tmp_path):

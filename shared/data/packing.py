@@ -4,7 +4,9 @@
 each: ``sample_id`` int64 and ``input_ids`` [seq_len] int32, one row per row group) and
 ``_MANIFEST.json``, written last. ``key`` hashes (source, its files' sizes and dates, tokenizer,
 text column, seq_len, max_samples, chunk_rows, packing version), so a change to any of them
-packs again. A directory without a manifest is incomplete and never read: on local disk the
+packs again. Ray tasks write the chunk files from the tokenised blocks in the object store
+(``ChunkWriter``); the driver sees only block references and row counts, then writes the
+manifest. A directory without a manifest is incomplete and never read: on local disk the
 pass writes into a temp sibling renamed when complete; on object storage (renames are copies)
 the manifest is the commit marker, and a leftover partial prefix is removed before a rebuild.
 """
@@ -23,7 +25,7 @@ import numpy as np
 from shared import storage
 from shared.data.source import TextSource, parquet_files
 
-PACKING_VERSION = 2  # bump when the packed files change for the same inputs
+PACKING_VERSION = 3  # bump when the packed files change for the same inputs (3: page CRCs)
 # A parquet read decodes whole row groups: the sample-id filter prunes row groups by their
 # statistics, then drops rows. The ranks of one global batch share chunks (a chunk is one
 # window of the order), so with a row group per chunk file every rank decoded the whole file
@@ -56,6 +58,10 @@ def _source_identity(source: TextSource) -> list:
         fs, files = parquet_files(source.dataset)
         return sorted([i.path, i.size, str(i.mtime)] for i in fs.get_file_info(files))
     except Exception:  # noqa: BLE001 - a hub dataset without listing: its name is the identity
+        # Anywhere else a failed listing is an error, not another key: a busy object store
+        # timing out once would otherwise pack the same data again under a second key.
+        if not source.dataset.startswith("hf://"):
+            raise
         return []
 
 
@@ -111,11 +117,124 @@ def _chunk_table(first_id: int, input_ids: np.ndarray):
     })  # fmt: skip
 
 
+def chunk_name(index: int) -> str:
+    return f"chunk-{index:06d}.parquet"
+
+
+def write_chunks(out: str, first_id: int, chunk_rows: int, row_ranges: list[tuple[int, int]],
+                 *blocks) -> list[tuple[str, int]]:  # fmt: skip
+    """A Ray task: rows ``[start, stop)`` of each packed block, in order, are the samples from
+    ``first_id`` on; write them as chunk files of ``chunk_rows`` (the last may be shorter).
+    Returns [(file name, bytes)]."""
+    import pyarrow.parquet as pq
+    from ray.data.block import BlockAccessor
+
+    parts = []
+    for block, (start, stop) in zip(blocks, row_ranges, strict=True):
+        ids = BlockAccessor.for_block(block).to_numpy("input_ids")[start:stop]
+        parts.append(np.stack(list(ids)) if ids.dtype == object else ids)
+    rows = np.concatenate(parts)
+    fs, inner = storage.filesystem(out)
+    written = []
+    for offset in range(0, len(rows), chunk_rows):
+        name = chunk_name((first_id + offset) // chunk_rows)
+        with fs.open_output_stream(f"{inner}/{name}") as f:
+            table = _chunk_table(first_id + offset, rows[offset : offset + chunk_rows])
+            # Page CRCs: the readers verify every page they decode (reader.read_chunk).
+            pq.write_table(table, f, row_group_size=ROW_GROUP_ROWS, write_page_checksum=True)
+        written.append((name, fs.get_file_info(f"{inner}/{name}").size))
+    return written
+
+
+class ChunkWriter:
+    """Cuts the ordered stream of packed blocks into chunk files of ``chunk_rows`` consecutive
+    sample ids. Ray tasks write them where the blocks are: the rows never pass through the
+    driver, which only counts rows and hands block references on - one task per arriving
+    block, writing every chunk the stream has completed, so a block travels to at most two
+    tasks."""
+
+    # Tasks queued ahead of the stream: enough to keep a node's CPUs writing, few enough that
+    # the blocks they pin do not fill the object store.
+    MAX_IN_FLIGHT = 8
+
+    def __init__(self, out: str, chunk_rows: int):
+        import ray
+
+        self.out, self.chunk_rows = out, chunk_rows
+        self._task = ray.remote(write_chunks)
+        self._pending: list[tuple[object, int, int]] = []  # (block ref, start, stop) in order
+        self._pending_rows = 0
+        self._next_id = 0  # sample id of the first pending row
+        self._in_flight: list = []
+        self._written: list[tuple[str, int]] = []
+
+    def add_bundle(self, bundle) -> None:
+        """A Ray Data ``RefBundle`` (whole blocks or slices of them), in stream order."""
+        for entry, part in zip(bundle.blocks, bundle.slices, strict=True):
+            if part is not None:
+                self._add(entry.ref, part.start_offset, part.end_offset)
+            else:
+                self._add(entry.ref, 0, _block_rows(entry))
+
+    def _add(self, ref, start: int, stop: int) -> None:
+        if stop <= start:
+            return
+        self._pending.append((ref, start, stop))
+        self._pending_rows += stop - start
+        if self._pending_rows >= self.chunk_rows:
+            self._submit(self._pending_rows // self.chunk_rows * self.chunk_rows)
+
+    def finish(self) -> list[tuple[str, int]]:
+        """Write what is left (a last, shorter chunk); every (file name, bytes) in id order."""
+        import ray
+
+        if self._pending_rows:
+            self._submit(self._pending_rows)
+        for done in ray.get(self._in_flight):
+            self._written.extend(done)
+        self._in_flight = []
+        return sorted(self._written)
+
+    @property
+    def rows_written(self) -> int:
+        return self._next_id
+
+    def _submit(self, rows: int) -> None:
+        import ray
+
+        refs, ranges, taken = [], [], 0
+        while taken < rows:
+            ref, start, stop = self._pending.pop(0)
+            stop_here = min(stop, start + rows - taken)
+            refs.append(ref)
+            ranges.append((start, stop_here))
+            taken += stop_here - start
+            if stop_here < stop:  # the rest of this block starts the next task
+                self._pending.insert(0, (ref, stop_here, stop))
+        self._in_flight.append(
+            self._task.remote(self.out, self._next_id, self.chunk_rows, ranges, *refs)
+        )
+        self._next_id += rows
+        self._pending_rows -= rows
+        if len(self._in_flight) > self.MAX_IN_FLIGHT:
+            ready, self._in_flight = ray.wait(self._in_flight, num_returns=1)
+            self._written.extend(ray.get(ready[0]))
+
+
+def _block_rows(entry) -> int:
+    if entry.metadata.num_rows is not None:
+        return entry.metadata.num_rows
+    import ray
+    from ray.data.block import BlockAccessor
+
+    return ray.get(ray.remote(lambda b: BlockAccessor.for_block(b).num_rows()).remote(entry.ref))
+
+
 def write_packed(source: TextSource, seq_len: int, max_samples: int, chunk_rows: int,
                  final: str, key: str) -> PackedDataset:  # fmt: skip
     """The Ray Data pass: read parquet -> tokenise + pack on CPU workers (``map_batches``, in
-    order) -> chunk files with consecutive ``sample_id`` written by this process -> manifest."""
-    import pyarrow.parquet as pq
+    order) -> chunk files with consecutive ``sample_id``, written in parallel by Ray tasks
+    (``ChunkWriter``) -> manifest, written last by this process."""
     import ray.data
 
     from shared.data.source import build_text_dataset
@@ -130,24 +249,16 @@ def write_packed(source: TextSource, seq_len: int, max_samples: int, chunk_rows:
             storage.remove(final)
         publish = contextlib.nullcontext(final) if remote else storage.atomic_directory(final)
         with publish as out:
-            files, sizes, count = [], [], 0
             fs, inner = storage.filesystem(out)
             fs.create_dir(inner, recursive=True)
-            for batch in ds.iter_batches(batch_size=chunk_rows, batch_format="numpy"):
-                ids = np.asarray(batch["input_ids"])
-                if ids.dtype == object:
-                    ids = np.stack(list(ids))
-                name = f"chunk-{len(files):06d}.parquet"
-                with fs.open_output_stream(f"{inner}/{name}") as f:
-                    pq.write_table(_chunk_table(count, ids), f, row_group_size=ROW_GROUP_ROWS)
-                files.append(name)
-                sizes.append(fs.get_file_info(f"{inner}/{name}").size)
-                count += len(ids)
-            manifest = {"key": key, "num_samples": count, "seq_len": seq_len,
+            writer = ChunkWriter(out, chunk_rows)
+            for bundle in ds.iter_internal_ref_bundles():
+                writer.add_bundle(bundle)
+            files = writer.finish()
+            manifest = {"key": key, "num_samples": writer.rows_written, "seq_len": seq_len,
                         "chunk_rows": chunk_rows, "source": source.dataset,
                         "tokenizer": source.tokenizer, "written_at": time.time(),
-                        "files": [{"name": n, "bytes": s}
-                                  for n, s in zip(files, sizes, strict=True)]}  # fmt: skip
+                        "files": [{"name": n, "bytes": s} for n, s in files]}  # fmt: skip
             storage.write_text(storage.join(out, MANIFEST), json.dumps(manifest, indent=1))
     finally:
         context.execution_options.preserve_order = keep_order
