@@ -50,9 +50,10 @@ class LocalCluster:
     machine disappears) and started again (``start_worker_node``) - the elastic tests."""
 
     def __init__(self, env: dict, worker_nodes: int = 1, node_resources: dict | None = None,
-                 worker_node_cpus: int = WORKER_NODE_CPUS):  # fmt: skip
+                 worker_node_cpus: int = WORKER_NODE_CPUS, head_cpus: int = HEAD_CPUS):  # fmt: skip
         self.env = env
         self.worker_nodes = worker_nodes
+        self.head_cpus = head_cpus
         self.node_resources = node_resources or {}  # custom resources of each worker node
         # Logical CPUs (Ray's accounting, not cores): Ray Data's read tasks need some left
         # over by the training workers on their node.
@@ -89,7 +90,7 @@ class LocalCluster:
 
     def start(self) -> None:
         self._ray_start(
-            "head", "--head", "--port", str(self.gcs_port), "--num-cpus", str(HEAD_CPUS),
+            "head", "--head", "--port", str(self.gcs_port), "--num-cpus", str(self.head_cpus),
             "--include-dashboard", "true", "--dashboard-host", "127.0.0.1",
             "--dashboard-port", str(self.dashboard_port),
             "--dashboard-agent-listen-port", str(free_port()),

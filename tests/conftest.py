@@ -57,6 +57,55 @@ def job_env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
 
 
+# One Ray cluster per test process for the modules that opt in. Starting and stopping a private
+# local cluster is about a fifth of a smoke run's CPU (a ddp smoke run: 81-89 CPU-s with its
+# own cluster, 66 joining a running one), and the suite is CPU-bound. Modules about training
+# results, not about what a fresh local run prints, opt in with the `job_cluster` fixture:
+# their `run_job` calls join one head node with this machine's CPUs (what a local cluster
+# gets) through `ray_address=`, started on first use. Its processes inherit this process's
+# environment, so it is started again when the AWS_* variables (the S3 endpoint) change.
+_job_cluster = None  # the running ci.run_cluster.LocalCluster
+_job_cluster_aws: dict[str, str] = {}  # the AWS_* variables it was started with
+_join_job_cluster = False  # set by the `job_cluster` fixture for its module
+
+
+def _running_job_cluster():
+    global _job_cluster, _job_cluster_aws
+    from ci.run_cluster import LocalCluster, cluster_env
+
+    aws = {key: value for key, value in os.environ.items() if key.startswith("AWS_")}
+    if _job_cluster is not None and aws != _job_cluster_aws:
+        _stop_job_cluster()
+    if _job_cluster is None:
+        env = {**cluster_env(), "PYTHONPATH": job_env()["PYTHONPATH"]}
+        cluster = LocalCluster(env, worker_nodes=0, head_cpus=os.cpu_count() or 1)
+        cluster.start()
+        _job_cluster, _job_cluster_aws = cluster, aws
+    return _job_cluster
+
+
+def _stop_job_cluster() -> None:
+    global _job_cluster
+    if _job_cluster is not None:
+        _job_cluster.stop(keep_logs=False)
+        _job_cluster = None
+
+
+@pytest.fixture(scope="module")
+def job_cluster():
+    """This module's `run_job` calls join the test process's shared cluster."""
+    global _join_job_cluster
+    _join_job_cluster = True
+    yield
+    _join_job_cluster = False
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_job_cluster_stops_at_the_end():
+    yield
+    _stop_job_cluster()
+
+
 def run_job(
     job: str, *overrides: str, storage: Path, timeout: float = 600, interleaved: bool = False
 ) -> JobResult:
@@ -71,6 +120,11 @@ def run_job(
         *overrides,
     ]
     env = job_env()
+    if _join_job_cluster and not any(o.startswith("ray_address=") for o in overrides):
+        cluster = _running_job_cluster()
+        cmd.append(f"ray_address={cluster.address}")
+        env.update({key: cluster.env[key] for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN",
+                                                      "RAY_TMPDIR")})  # fmt: skip
     stderr = subprocess.STDOUT if interleaved else subprocess.PIPE
     proc = subprocess.run(
         cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=timeout, env=env

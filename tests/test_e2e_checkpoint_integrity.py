@@ -12,7 +12,8 @@ import pytest
 import torch
 from conftest import run_job
 
-pytestmark = pytest.mark.e2e
+# Jobs join the test process's shared Ray cluster (conftest.py: `job_cluster`).
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("job_cluster")]
 
 
 def ok(result) -> dict:

@@ -20,7 +20,8 @@ from weights import assert_bitwise_equal, assert_close_weights, final_weights
 
 from shared.checkpoint.resume import registered_checkpoints
 
-pytestmark = pytest.mark.e2e
+# Jobs join the test process's shared Ray cluster (conftest.py: `job_cluster`).
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("job_cluster")]
 
 # ~20 steps per epoch: 12 steps stay inside epoch 0, so every failure is mid-epoch.
 COMMON = ("max_steps=12", "checkpoint_every=4", "log_samples=true")
