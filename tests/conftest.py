@@ -57,7 +57,7 @@ def job_env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
 
 
-# One Ray cluster per test process for the modules that opt in. Starting and stopping a private
+# One Ray cluster per module for the modules that opt in. Starting and stopping a private
 # local cluster is about a fifth of a smoke run's CPU (a ddp smoke run: 81-89 CPU-s with its
 # own cluster, 66 joining a running one), and the suite is CPU-bound. Modules about training
 # results, not about what a fresh local run prints, opt in with the `job_cluster` fixture:
@@ -93,17 +93,15 @@ def _stop_job_cluster() -> None:
 
 @pytest.fixture(scope="module")
 def job_cluster():
-    """This module's `run_job` calls join the test process's shared cluster."""
+    """This module's `run_job` calls join one shared cluster, stopped when the module ends:
+    an idle cluster's daemons take ~12% of a core from the tests after it."""
     global _join_job_cluster
     _join_job_cluster = True
-    yield
-    _join_job_cluster = False
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _shared_job_cluster_stops_at_the_end():
-    yield
-    _stop_job_cluster()
+    try:
+        yield
+    finally:
+        _join_job_cluster = False
+        _stop_job_cluster()
 
 
 def run_job(

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import run_job
 
-# Jobs join the test process's shared Ray cluster (conftest.py: `job_cluster`).
+# Jobs join one Ray cluster shared by this module (conftest.py: `job_cluster`).
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("job_cluster")]
 
 

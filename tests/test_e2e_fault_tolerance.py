@@ -20,7 +20,7 @@ from weights import assert_bitwise_equal, assert_close_weights, final_weights
 
 from shared.checkpoint.resume import registered_checkpoints
 
-# Jobs join the test process's shared Ray cluster (conftest.py: `job_cluster`).
+# Jobs join one Ray cluster shared by this module (conftest.py: `job_cluster`).
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("job_cluster")]
 
 # ~20 steps per epoch: 12 steps stay inside epoch 0, so every failure is mid-epoch.

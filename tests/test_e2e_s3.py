@@ -20,7 +20,7 @@ from sample_log import committed_samples
 
 from shared import storage
 
-# Jobs join the test process's shared Ray cluster (conftest.py: `job_cluster`).
+# Jobs join one Ray cluster shared by this module (conftest.py: `job_cluster`).
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("job_cluster")]
 
 STEPS = ("max_steps=8", "checkpoint_every=4", "log_every=4")

@@ -14,7 +14,7 @@ from observability_checks import assert_held_out_loss_fell, assert_trace_has_ste
 from sample_log import committed_samples
 from weights import assert_bitwise_equal, assert_close_weights, final_weights
 
-# Jobs join the test process's shared Ray cluster (conftest.py: `job_cluster`).
+# Jobs join one Ray cluster shared by this module (conftest.py: `job_cluster`).
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("job_cluster")]
 
 STEPS = ("max_steps=16", "checkpoint_every=8")
