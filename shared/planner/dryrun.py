@@ -243,7 +243,8 @@ def traced_model_states(model: torch.nn.Module, cfg) -> dict[str, int]:
 
 def traced_activations(job: str, cfg, vocab: int, dtype: torch.dtype, tp_mesh) -> dict:
     """Bytes one block keeps for its backward at micro-batch 1 and 2 (real CPU tensors, TP-
-    sharded for tp2d), extrapolated to the micro-batch, times the layers."""
+    sharded for tp2d; matmul outputs allocated, not computed), extrapolated to the
+    micro-batch, times the layers."""
     from shared.planner.measure import LiveStorageTracker, _local
 
     torch.manual_seed(0)
@@ -282,7 +283,7 @@ def traced_activations(job: str, cfg, vocab: int, dtype: torch.dtype, tp_mesh) -
         seq = cfg.seq_len // (cfg.tp if tp_mesh is not None else 1)
         x = torch.randn(batch, seq, hidden, dtype=dtype, requires_grad=True)
         exclude = {_local(t).untyped_storage()._cdata for t in block.parameters()}
-        tracker = LiveStorageTracker()
+        tracker = LiveStorageTracker(skip_matmuls=True)
 
         def layer(inp):
             if recompute:
