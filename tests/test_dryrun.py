@@ -139,3 +139,28 @@ def test_allocating_the_matmul_outputs_keeps_exactly_the_bytes_of_computing_them
             assert (tracker.allocated_matmuls > 0) == skip  # the shortcut was taken
             del y
         assert kept[0] == kept[1] and kept[0]["other"] > 0, type(block).__name__
+
+
+def test_allocating_the_matmul_outputs_of_a_tp_sharded_block_keeps_the_same_bytes():
+    """Under TP the matmuls take DTensors: their outputs are allocated with the placements the
+    real op would give (a 2-rank fake process group), the same storages either way."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from shared.models.llama import Block, LlamaPreset
+    from shared.parallel.tp import BLOCK_PLAN
+    from shared.planner.measure import LiveStorageTracker, _local, _tp_group
+
+    preset = LlamaPreset(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=160, max_seq_len=32)
+    with _tp_group(2) as mesh:
+        block = parallelize_module(Block(preset).to(torch.bfloat16), mesh, BLOCK_PLAN).train()
+        params = {_local(p).untyped_storage()._cdata for p in block.parameters()}
+        kept = []
+        for skip in (False, True):
+            x = torch.randn(2, 16, 64, dtype=torch.bfloat16, requires_grad=True)  # s / tp tokens
+            tracker = LiveStorageTracker(skip_matmuls=skip)
+            with tracker:
+                y = block(x)
+            kept.append(tracker.alive_bytes(exclude=params))
+            assert (tracker.allocated_matmuls > 0) == skip
+            del y
+    assert kept[0] == kept[1] and kept[0]["other"] > 0

@@ -35,17 +35,32 @@ _MATMULS = frozenset(
 
 
 def _allocated_like_result(func, args, kwargs) -> torch.Tensor | None:
-    """The output a matmul would allocate (shape, strides, dtype from its meta kernel), zeroed
-    instead of computed; None where the arguments are not plain CPU tensors."""
+    """The output a matmul would allocate (shape, strides, dtype and, for a DTensor, its
+    placements, from the meta kernels), zeroed instead of computed; None for tensors other
+    than plain and DTensors on the CPU."""
+    from torch.distributed.tensor import DTensor
+
+    def to_meta(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, DTensor):
+            local = t.to_local().to("meta")
+            return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False,
+                                      shape=t.shape, stride=t.stride())  # fmt: skip
+        return t.to("meta")
+
     tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-    plain = (torch.Tensor, torch.nn.Parameter)  # not DTensor or other wrappers
+    plain = (torch.Tensor, torch.nn.Parameter, DTensor)  # not other wrappers
     if not all(type(t) in plain and t.device.type == "cpu" for t in tensors):
         return None
-    to_meta = {id(t): t.to("meta") for t in tensors}
+    metas = {id(t): to_meta(t) for t in tensors}
     meta_args, meta_kwargs = tree_map(
-        lambda x: to_meta.get(id(x), x) if isinstance(x, torch.Tensor) else x, (args, kwargs)
+        lambda x: metas.get(id(x), x) if isinstance(x, torch.Tensor) else x, (args, kwargs)
     )
     out = func(*meta_args, **meta_kwargs)
+    if isinstance(out, DTensor):
+        local = out.to_local()
+        zeros = torch.empty_strided(local.shape, local.stride(), dtype=local.dtype).zero_()
+        return DTensor.from_local(zeros, out.device_mesh, out.placements, run_check=False,
+                                  shape=out.shape, stride=out.stride())  # fmt: skip
     return torch.empty_strided(out.shape, out.stride(), dtype=out.dtype).zero_()
 
 
