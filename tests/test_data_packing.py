@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from conftest import REPO, job_env, run_job
 
+from shared import storage
 from shared.config import ConfigError
 from shared.data import (
     EpochReader,
@@ -169,6 +170,60 @@ def test_a_split_pattern_packs_only_that_splits_rows(ray_local, corpus, tmp_path
     split = TextSource(dataset=str(splits / "train-*.parquet"), tokenizer=corpus.tokenizer)
     packed = packed_dataset(split, cfg, log=lambda line: None)
     assert packed.path != alone.path and packed.num_samples == alone.num_samples
+
+
+def footer_reader_actors(cluster) -> set[str]:
+    """Ids of every FooterReader actor the cluster has started (alive or dead)."""
+    from ray.util.state import list_actors
+
+    url = cluster.dashboard_url
+    actors = list_actors(
+        address=url if "://" in url else f"http://{url}",
+        filters=[("class_name", "=", "FooterReader")],
+        limit=10_000,
+        raise_on_missing_output=False,
+    )
+    return {actor.actor_id for actor in actors}
+
+
+def test_reading_a_one_file_corpus_starts_one_footer_reader(ray_local, corpus, monkeypatch):
+    """Ray Data 2.60 starts a pool of 32 FooterReader processes per parquet read whatever the
+    file count (~13 CPU-s of process starts at every run's first data pass): the pool is sized
+    to the files, and a size the user set is kept."""
+    from shared.data.source import FOOTER_READER_ENV, build_text_dataset, footer_readers
+
+    assert [footer_readers(n) for n in (1, 10, 11, 95, 10_000)] == [1, 1, 2, 10, 32]
+    monkeypatch.delenv(FOOTER_READER_ENV, raising=False)
+    before = footer_reader_actors(ray_local)
+    assert build_text_dataset(corpus, seq_len=32).take(1)
+    started = footer_reader_actors(ray_local) - before
+    assert len(started) == 1
+    assert FOOTER_READER_ENV not in os.environ  # nothing left behind for the next read
+
+    monkeypatch.setenv(FOOTER_READER_ENV, "2")
+    before |= started
+    assert build_text_dataset(corpus, seq_len=32).take(1)
+    assert len(footer_reader_actors(ray_local) - before) == 2
+    assert os.environ[FOOTER_READER_ENV] == "2"
+
+
+def test_a_corpus_on_object_storage_reads_the_same_rows_as_on_local_disk(
+    ray_local, corpus, s3_prefix
+):
+    """The read lists the files itself (to size the footer-reader pool) and hands Ray Data the
+    filesystem: a corpus directory on S3 gives the packed rows the local file gives."""
+    from shared.data.source import build_text_dataset
+
+    remote = storage.join(s3_prefix, "corpus")
+    storage.write_bytes(storage.join(remote, "part-0.parquet"), Path(corpus.dataset).read_bytes())
+    on_s3 = TextSource(dataset=remote, tokenizer=corpus.tokenizer)
+
+    def rows(source):
+        batches = build_text_dataset(source, seq_len=32).iter_batches(batch_format="numpy")
+        return sorted(tuple(row) for b in batches for row in b["input_ids"])  # any block order
+
+    local = rows(corpus)
+    assert len(local) > 100 and rows(on_s3) == local
 
 
 def test_a_driver_killed_while_packing_leaves_nothing_the_next_run_uses(tmp_path):

@@ -110,6 +110,23 @@ def test_compute_picks_a_compute_config_and_bad_names_are_one_sentence(capsys):
     assert code == 2 and err.startswith("error: no compute config '16xB200' in compute_configs/")
 
 
+def kept_bytes_both_ways(forward, shape, dtype, params: set[int]) -> list[dict[str, int]]:
+    """The bytes ``forward`` keeps for its backward (parameters excluded), with the matmuls
+    computed and with their outputs only allocated, in that order."""
+    from shared.planner.measure import LiveStorageTracker
+
+    kept = []
+    for skip in (False, True):
+        x = torch.randn(*shape, dtype=dtype, requires_grad=True)
+        tracker = LiveStorageTracker(skip_matmuls=skip)
+        with tracker:
+            y = forward(x)
+        kept.append(tracker.alive_bytes(exclude=params))
+        assert (tracker.allocated_matmuls > 0) == skip  # the shortcut was (not) taken
+        del y
+    return kept
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_allocating_the_matmul_outputs_keeps_exactly_the_bytes_of_computing_them(dtype):
     """The dry run's activation trace allocates each matmul's output instead of computing it
@@ -120,7 +137,6 @@ def test_allocating_the_matmul_outputs_keeps_exactly_the_bytes_of_computing_them
 
     from shared.models.llama import Block, LlamaPreset
     from shared.planner.dryrun import _call
-    from shared.planner.measure import LiveStorageTracker
 
     config = GPT2Config(n_embd=64, n_head=4, n_layer=1, n_positions=32, resid_pdrop=0.0,
                         attn_pdrop=0.0, embd_pdrop=0.0)  # fmt: skip
@@ -128,17 +144,9 @@ def test_allocating_the_matmul_outputs_keeps_exactly_the_bytes_of_computing_them
     llama = LlamaPreset(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=160, max_seq_len=32)
     for block in (GPT2Block(config, layer_idx=0), Block(llama)):
         block = block.to(dtype).train()
-        kept = []
-        for skip in (False, True):
-            x = torch.randn(2, 32, 64, dtype=dtype, requires_grad=True)
-            tracker = LiveStorageTracker(skip_matmuls=skip)
-            with tracker:
-                y = _call(block)(x)
-            kept.append(tracker.alive_bytes(exclude={p.untyped_storage()._cdata
-                                                     for p in block.parameters()}))  # fmt: skip
-            assert (tracker.allocated_matmuls > 0) == skip  # the shortcut was taken
-            del y
-        assert kept[0] == kept[1] and kept[0]["other"] > 0, type(block).__name__
+        params = {p.untyped_storage()._cdata for p in block.parameters()}
+        computed, allocated = kept_bytes_both_ways(_call(block), (2, 32, 64), dtype, params)
+        assert computed == allocated and computed["other"] > 0, type(block).__name__
 
 
 def test_allocating_the_matmul_outputs_of_a_tp_sharded_block_keeps_the_same_bytes():
@@ -148,19 +156,12 @@ def test_allocating_the_matmul_outputs_of_a_tp_sharded_block_keeps_the_same_byte
 
     from shared.models.llama import Block, LlamaPreset
     from shared.parallel.tp import BLOCK_PLAN
-    from shared.planner.measure import LiveStorageTracker, _local, _tp_group
+    from shared.planner.measure import _local, _tp_group
 
     preset = LlamaPreset(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=160, max_seq_len=32)
     with _tp_group(2) as mesh:
         block = parallelize_module(Block(preset).to(torch.bfloat16), mesh, BLOCK_PLAN).train()
         params = {_local(p).untyped_storage()._cdata for p in block.parameters()}
-        kept = []
-        for skip in (False, True):
-            x = torch.randn(2, 16, 64, dtype=torch.bfloat16, requires_grad=True)  # s / tp tokens
-            tracker = LiveStorageTracker(skip_matmuls=skip)
-            with tracker:
-                y = block(x)
-            kept.append(tracker.alive_bytes(exclude=params))
-            assert (tracker.allocated_matmuls > 0) == skip
-            del y
-    assert kept[0] == kept[1] and kept[0]["other"] > 0
+        # 16 tokens: the sequence-sharded input of 32 tokens at tp=2.
+        computed, allocated = kept_bytes_both_ways(block, (2, 16, 64), torch.bfloat16, params)
+    assert computed == allocated and computed["other"] > 0

@@ -11,8 +11,10 @@ the cached packed dataset that every epoch and every later run reads (shared/dat
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
+import math
 import os
 import random
 from dataclasses import dataclass
@@ -336,17 +338,40 @@ def tokenize_and_pack(
     return {"input_ids": pack_token_ids(ids, tok.eos_token_id, seq_len)}
 
 
+# Ray Data 2.60 reads parquet footers in a pool of FooterReader actors, 32 processes by
+# default whatever the file count: ~13 CPU-s of process starts for a one-file corpus.
+FOOTER_READER_ENV = "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS"
+FILES_PER_FOOTER_READER = 10
+MAX_FOOTER_READERS = 32
+
+
+def footer_readers(num_files: int) -> int:
+    """Footer-reader actors for a read of ``num_files`` files: one per ten, at most Ray's 32."""
+    return max(1, min(MAX_FOOTER_READERS, math.ceil(num_files / FILES_PER_FOOTER_READER)))
+
+
+@contextlib.contextmanager
+def _sized_footer_readers(num_files: int):
+    """Ray Data sizes the pool from the environment while it plans the read; a value the user
+    set is theirs and stays."""
+    if FOOTER_READER_ENV in os.environ:
+        yield
+        return
+    os.environ[FOOTER_READER_ENV] = str(footer_readers(num_files))
+    try:
+        yield
+    finally:
+        os.environ.pop(FOOTER_READER_ENV, None)
+
+
 def _read_parquet(path: str, columns: list[str]):
     import ray.data
 
-    if "*" in path:  # one split: Ray Data's readers take no patterns, a directory reads all
-        fs, files = matching_files(path)
+    # The files are listed here (file, directory, or one split's pattern; local, s3:// or
+    # hf://) so that the footer-reader pool can be sized to them.
+    fs, files = parquet_files(path)
+    with _sized_footer_readers(len(files)):
         ds = ray.data.read_parquet(files, filesystem=fs)
-    elif path.startswith("hf://"):  # the hub serves every dataset as parquet, streamed like S3
-        fs, inner = _dataset_filesystem(path)
-        ds = ray.data.read_parquet(inner, filesystem=fs)
-    else:
-        ds = ray.data.read_parquet(path)
     return ds.select_columns(columns)
 
 
