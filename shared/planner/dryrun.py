@@ -10,9 +10,10 @@ size. It runs the job's own code path where that is possible without memory:
 * the job's config (profile + overrides, validated as the job validates them: a TP size that
   does not divide the heads fails here, with the job's own sentence);
 * the job's model builder on the ``meta`` device, then the job's wrapping (``apply_tp`` on the
-  (dp, tp) mesh, ``apply_fsdp`` per block and root); DDP is not constructed (its constructor
-  reads parameter values, which meta tensors refuse: ``Tensor.item()``) and every DDP rank
-  holds the whole model; the parameter bytes are read from each rank's local shards;
+  (dp, tp) mesh, ``apply_fsdp`` per block and root; ``apply_ddp``, with the constructor's
+  cross-rank shape check skipped: it reads values, which meta tensors refuse, and the fake
+  group has no other ranks to compare with); the parameter bytes are read from each rank's
+  local shards, DDP's gradient buckets from its reducer;
 * the job's optimizer (``shared.optim.build_adamw``) takes one step on meta gradients of the
   same layout, so the optimizer state is what AdamW really allocates;
 * activations: one real transformer block (TP-sharded for tp2d) runs forward on the CPU at the
@@ -25,9 +26,10 @@ size. It runs the job's own code path where that is possible without memory:
 FSDP refuses a forward with meta parameters and ``FakeTensorMode`` breaks ``fully_shard`` on
 TP-sharded parameters (STACK-FACTS), hence the block-wise route. For the ZeRO job nothing is
 traced: DeepSpeed's own offline estimator (``estimate_zero2/3_model_states_mem_needs``) and the
-planner are printed side by side, and the table says so. Framework buffers (gathered blocks,
-reduce buckets) are the planner's. The verdict compares the per-rank total with the GPU of the
-job's compute config (job.yaml) minus 10% headroom; not fitting exits 1.
+planner are printed side by side, and the table says so. The other framework buffers
+(FSDP's gathered blocks, TP's reduce buckets) are the planner's. The verdict compares the
+per-rank total with the GPU of the job's compute config (job.yaml) minus 10% headroom; not
+fitting exits 1.
 """
 
 from __future__ import annotations
@@ -191,8 +193,10 @@ def build_model(job: str, cfg, vocab: int) -> torch.nn.Module:
 
 def wrap(job: str, cfg, model: torch.nn.Module, dtype: torch.dtype):
     """The job's strategy wrapping; returns the model and the TP mesh (or None)."""
-    if job in ("ddp", "fault_tolerance", "zero"):
-        return model, None  # every rank holds the whole module (ZeRO: see the estimate)
+    if job == "zero":
+        return model, None  # DeepSpeed needs real tensors: see the estimate
+    if job in ("ddp", "fault_tolerance"):
+        return meta_ddp(model), None
     from shared.parallel.fsdp import apply_fsdp, data_parallel_mesh
 
     cpu = torch.device("cpu")
@@ -210,6 +214,29 @@ def wrap(job: str, cfg, model: torch.nn.Module, dtype: torch.dtype):
     mesh = device_mesh_2d(cpu, cfg.dp, cfg.tp)
     model = apply_tp(model, mesh["tp"])
     return apply_fsdp(model, mesh["dp"], **options), mesh["tp"]
+
+
+def meta_ddp(model: torch.nn.Module) -> torch.nn.Module:
+    """``apply_ddp`` (what ``prepare_model`` builds, less the CUDA device id) on meta tensors.
+    The constructor's first act is an all-gather comparing every rank's parameter shapes,
+    which reads values; on the fake group it compares nothing, so it is skipped."""
+    from unittest import mock
+
+    import torch.nn.parallel.distributed as ddp_module
+
+    from shared.parallel.ddp import apply_ddp
+
+    check = "_verify_param_shape_across_processes"
+    with mock.patch.object(ddp_module, check, return_value=None):
+        return apply_ddp(model, torch.device("meta"))
+
+
+def ddp_bucket_bytes(model: torch.nn.Module) -> int | None:
+    """The gradient buckets DDP's reducer allocated (its own logging data), None if not DDP."""
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return None
+    sizes = model._get_ddp_logging_data()["bucket_sizes"]
+    return sum(int(size) for size in str(sizes).split(",") if size.strip())
 
 
 def local_bytes(tensors) -> int:
@@ -420,6 +447,7 @@ def dry_run(job: str, profile: str, overrides: list[str], out=print,
         else:
             model, tp_mesh = wrap(job, cfg, model, dtype)
             traced.update(traced_model_states(model, cfg))
+            traced["buffers"] = ddp_bucket_bytes(model)
             acts = traced_activations(job, cfg, vocab, dtype, tp_mesh)
             output = output_activation_bytes(
                 cfg.seq_len, cfg.micro_batch_size, spec.hidden, spec.vocab, t=tp, sp=tp > 1,
@@ -431,11 +459,9 @@ def dry_run(job: str, profile: str, overrides: list[str], out=print,
     rows = []
     for name in ROWS:
         value = traced[name]
-        shown = "(planner)" if name == "buffers" or value is None else format_size(value)
+        shown = "(planner)" if value is None else format_size(value)
         rows.append((name, format_size(planned[name]), shown))
-    total_traced = sum(
-        (traced[n] if traced[n] is not None and n != "buffers" else planned[n]) for n in ROWS
-    )
+    total_traced = sum(planned[n] if traced[n] is None else traced[n] for n in ROWS)
     rows.append(("total", format_size(planned["total"]), format_size(total_traced)))
     out("")
     out("per rank (rank 0; FSDP pads shards so rank 0 holds the most)")
@@ -447,7 +473,9 @@ def dry_run(job: str, profile: str, overrides: list[str], out=print,
     else:
         out("traced: parameters from each rank's shards, gradients and AdamW state from one step "
             "on meta tensors, activations from one real block (x layers) + the planner's output "
-            "layer and dropout masks; buffers are the planner's.")  # fmt: skip
+            "layer and dropout masks; buffers: "
+            + ("DDP's gradient buckets." if traced["buffers"] is not None
+               else "the planner's."))  # fmt: skip
     budget = settings.budget
     if total_traced > budget:
         print(
