@@ -141,7 +141,7 @@ def test_allocating_the_matmul_outputs_keeps_exactly_the_bytes_of_computing_them
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
     from shared.models.llama import Block, LlamaPreset
-    from shared.planner.dryrun import _call
+    from shared.planner.dryrun.trace import _call
 
     config = GPT2Config(n_embd=64, n_head=4, n_layer=1, n_positions=32, resid_pdrop=0.0,
                         attn_pdrop=0.0, embd_pdrop=0.0)  # fmt: skip

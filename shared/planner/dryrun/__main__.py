@@ -1,0 +1,3 @@
+from shared.planner.dryrun import main
+
+raise SystemExit(main())
