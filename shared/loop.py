@@ -28,6 +28,7 @@ from shared.observability.metrics import (
     DIVERGENCE_FILE,
     StepMetrics,
     device_peak_tflops,
+    diverged_sentence,
     peak_memory_bytes,
     rank0_metrics_path,
     strict_json,
@@ -185,9 +186,10 @@ def stop_diverged(cfg, strategy, session, state: TrainState, tracker: StepMetric
     }
     if session.rank == 0:
         print(tracker.progress_line(row), flush=True)
-        good = f"step {last_saved}" if last_saved else "none"
-        print(f"diverged at step {state.step} ({summary['divergence']}): stopped without "
-              f"saving this step; last good checkpoint: {good}", flush=True)  # fmt: skip
+        if not getattr(session, "uses_ray", False):  # under Ray the driver's error line says it
+            good = f"step {last_saved}" if last_saved else "none"
+            print(f"{diverged_sentence(state.step, summary['divergence'])}; last good "
+                  f"checkpoint: {good}", flush=True)  # fmt: skip
         tracker.flush()
         record = {"driver_start_time": cfg.driver_start_time, **summary}
         storage.write_text(storage.join(cfg.run_dir, DIVERGENCE_FILE), strict_json(record))
@@ -302,10 +304,10 @@ def train(cfg, strategy: Strategy, session: Session) -> dict:
                 _save_for_preemption(cfg, strategy, session, state, tracker, row, resumed_from)
                 break
             _after_step(cfg, strategy, session, state, tracker, row, resumed_from)
-            if due:
-                last_saved = state.step
             if drain_save:
                 _save_for_node_drain(cfg, strategy, session, state, row)
+            if due or drain_save:
+                last_saved = state.step
             micro, loss_sum, data_wait = 0, torch.zeros((), device=session.device), 0.0
             step_start = time.perf_counter()
         if seen_in_epoch == 0:

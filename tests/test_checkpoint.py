@@ -43,7 +43,7 @@ def test_rank_without_its_own_rng_file_falls_back_to_rank0(tmp_path):
     assert checkpoint.load_train_state(str(tmp_path), rank=3).step == 1
 
 
-# --- manifests, verification and fallback (issue 15, item 4) ------------------------------
+# --- manifests, verification and fallback -------------------------------------------------
 
 
 def write_checkpoint(run_dir: Path, step: int, world_size: int = 2, name: str | None = None):

@@ -1,9 +1,11 @@
-"""Docs that cannot drift: every `make <target>` the docs name exists, and the commands the
+"""Docs that cannot drift: every `make <target>` the docs name exists, the commands the
 README quotes with their output (`$ command` then output lines in a code block) print that
-output now. `…` in a quoted line stands for any text."""
+output now, and every `error:`/`warning:` line the docs quote is one the code can print.
+`…` in a quoted line stands for any text."""
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 from pathlib import Path
@@ -41,7 +43,7 @@ def test_every_make_target_the_docs_name_exists(doc: Path):
 
 def test_the_docs_name_no_internal_tracker_references():
     for doc in DOCS:
-        found = re.search(r"\b(issue|task) #?\d+", doc.read_text(), re.I)
+        found = re.search(r"\b(issues?|tasks?) #?\d+|(?<![\w/])#\d+\b", doc.read_text(), re.I)
         assert not found, f"{doc}: {found and found.group(0)}"
 
 
@@ -75,3 +77,113 @@ def test_quoted_output_is_what_the_command_prints(command, expected):
     assert proc.returncode != 0
     for line in expected:
         assert any(as_pattern(line).fullmatch(p) for p in printed), (line, printed)
+
+
+# ------------------------------------------------------------------------------------------
+# Quoted error lines come from the code. A quote and a message in the code are both patterns
+# (`…` in the quote, an f-string's fields in the code stand for any text); a quote passes when
+# it can be split into pieces each of which some message can print.
+
+WILDCARD = None
+MESSAGE_CODE = ["shared/**/*.py", "jobs/*/main.py", "ci/*.py", "benchmarks/*.py"]
+
+
+def pattern_tokens(text: str, wildcards: re.Pattern) -> tuple:
+    """Characters, with each wildcard (and a run of them) as one WILDCARD token."""
+    tokens: list = []
+    for i, part in enumerate(wildcards.split(text)):
+        if i and tokens[-1:] != [WILDCARD]:
+            tokens.append(WILDCARD)
+        tokens.extend(part)
+    return tuple(tokens)
+
+
+def code_messages() -> list[tuple]:
+    """Every string literal of the code as a pattern: an f-string's fields are wildcards."""
+    found = set()
+    for glob in MESSAGE_CODE:
+        for path in REPO.glob(glob):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.JoinedStr):
+                    text = "".join(v.value if isinstance(v, ast.Constant) else "\0"
+                                   for v in node.values)  # fmt: skip
+                elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    text = node.value
+                else:
+                    continue
+                text = re.sub(r"^(error|warning): ", "", text)  # as in printable()
+                found.add(pattern_tokens(text, re.compile("\0+")))
+    return sorted(found, key=len)
+
+
+def literal_chunks(tokens: tuple) -> list[str]:
+    text = "".join("\0" if t is WILDCARD else t for t in tokens)
+    return [chunk for chunk in text.split("\0") if chunk]
+
+
+def piece_ends(quote: tuple, start: int, message: tuple) -> set[int]:
+    """Where a piece of ``quote`` starting at ``start`` can end if ``message`` printed it:
+    the two patterns must be able to stand for the same text."""
+    ends, seen, todo = set(), set(), [(start, 0)]
+    while todo:
+        a, b = todo.pop()
+        if (a, b) in seen:
+            continue
+        seen.add((a, b))
+        q = quote[a] if a < len(quote) else ""
+        m = message[b] if b < len(message) else ""
+        if b == len(message):
+            ends.add(a)
+        if q is WILDCARD:
+            todo += [(a + 1, b)] + ([(a, b + 1)] if b < len(message) else [])
+        if m is WILDCARD:
+            todo += [(a, b + 1)] + ([(a + 1, b)] if a < len(quote) else [])
+        if q and m and q is not WILDCARD and m is not WILDCARD and q == m:
+            todo.append((a + 1, b + 1))
+    return ends
+
+
+def printable(quote: str, messages: list[tuple]) -> bool:
+    # "error: " and an exception's class name are added by the driver around the message.
+    quote = re.sub(r"^(error|warning): ([A-Z][A-Za-z]+: )?", "", quote)
+    tokens = pattern_tokens(quote, re.compile(r"…|\.\.\."))
+    text = "".join(literal_chunks(tokens))
+    # Candidates: messages with a distinctive literal part (8+ characters) that the quote has.
+    candidates = [m for m in messages
+                  if any(len(c) >= 8 and c in text for c in literal_chunks(m))]  # fmt: skip
+    reached, todo = {0}, [0]
+    while todo:
+        start = todo.pop()
+        for message in candidates:
+            # A later piece (the hint after a message) starts with text both spell out, between
+            # two spelled-out characters of the quote: a quote's `…` cannot hide a missing part.
+            if start and not (message and tokens[start : start + 1] == message[:1] != (WILDCARD,)):
+                continue
+            ends = {e for e in piece_ends(tokens, start, message)
+                    if e == len(tokens) or WILDCARD not in tokens[e - 1 : e + 1]}  # fmt: skip
+            for end in ends - reached:
+                reached.add(end)
+                todo.append(end)
+    return len(tokens) in reached
+
+
+def quoted_error_lines() -> list[tuple[str, str]]:
+    """(doc, line) for each `error: …` / `warning: …` the docs quote, in code blocks or spans."""
+    found = []
+    for doc in DOCS:
+        text = doc.read_text()
+        lines = [line.strip() for block in FENCE.findall(text) for line in block.splitlines()]
+        spans = re.findall(r"`((?:error|warning): [^`]+)`", FENCE.sub("", text))
+        for line in lines + [" ".join(span.split()) for span in spans]:
+            if re.match(r"(error|warning): ", line) and len(re.sub(r"…|\.\.\.", "", line)) > 20:
+                found.append((str(doc.relative_to(REPO)), line))
+    return found
+
+
+def test_the_docs_quote_error_lines():
+    assert len(quoted_error_lines()) >= 8
+
+
+@pytest.mark.parametrize("doc, line", quoted_error_lines(), ids=lambda v: str(v)[:50])
+def test_a_quoted_error_line_is_one_the_code_prints(doc, line):
+    assert printable(line, code_messages()), f"{doc} quotes a line no code prints: {line}"

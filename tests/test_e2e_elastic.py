@@ -1,4 +1,4 @@
-"""Elastic training on a real three-node Ray cluster (issue 15, item 2).
+"""Elastic training on a real three-node Ray cluster.
 
 A head and two worker nodes on 127.0.0.1 (``ci/run_cluster.py``), each worker node with two
 ``trainer`` slots; the real S3 server (SeaweedFS) is the only storage the runs use. The

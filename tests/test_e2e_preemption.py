@@ -1,4 +1,4 @@
-"""Preemption on a real local Ray cluster (issue 15, item 5): a SIGTERM to a worker or to the
+"""Preemption on a real local Ray cluster: a SIGTERM to a worker or to the
 driver checkpoints at the next step boundary and stops cleanly; the rerun resumes from that
 step, not from the last periodic checkpoint, and every sample is still trained on once."""
 

@@ -207,3 +207,14 @@ def test_one_driver_per_run_on_s3(bucket):
     assert summary["resumed_from_step"] is not None and summary["resumed_from_step"] >= 4
     assert summary["steps"] == 40
     assert not storage.exists(f"{bucket}/fault_tolerance/lease/driver.lease")
+
+
+def test_storage_it_cannot_reach_is_one_sentence_before_any_cluster(s3_server, monkeypatch):
+    """Wrong credentials (or no bucket, an endpoint that is down): exit 2 with one line, where
+    pyarrow's OSError once ended the run in a traceback without a SUMMARY."""
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-key")
+    result = run_job("ddp", storage="s3://denied/runs", timeout=120)
+    assert result.returncode == 2, result.output[-3000:]
+    assert result.stderr.startswith("error: storage unreachable before the run started (")
+    assert "ACCESS_DENIED" in result.stderr and result.stderr.count("\n") == 1
+    assert "Traceback" not in result.output and "Ray dashboard" not in result.stdout

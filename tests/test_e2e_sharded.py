@@ -72,7 +72,7 @@ def test_every_strategy_follows_the_same_loss_curve(runs):
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_every_strategy_trains_the_same_samples_each_read_once(name, runs):
     """One data layer: the epoch's order, cut into the same global batches for every
-    strategy, each row read from the packed dataset once (issue 14)."""
+    strategy, each row read from the packed dataset once."""
     committed = committed_samples(runs[name]["run_dir"])
     assert committed == committed_samples(runs["ddp"]["run_dir"])
     assert sum(len(c) for c in committed.values()) == 16 * 32

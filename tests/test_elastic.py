@@ -1,4 +1,4 @@
-"""Elastic batch sizes (issue 15, item 3): every world size in [min_workers, num_workers]
+"""Elastic batch sizes: every world size in [min_workers, num_workers]
 keeps the global batch, or the config is refused before any cluster starts."""
 
 from __future__ import annotations

@@ -128,7 +128,7 @@ def train_case(case: str, tmp_path, corpus, **overrides):
         setattr(cfg, name, value)
     os.makedirs(cfg.run_dir, exist_ok=True)
     with open(os.path.join(cfg.run_dir, SETTINGS_FILE), "w") as f:
-        json.dump(settings_record(cfg), f, default=str)
+        json.dump(settings_record(cfg, cfg.global_batch_size), f, default=str)
     batch = data[-2:].clone()  # two sequences the 2 training steps did not use
     out = str(tmp_path / "logits.pt")
     world = CASES[case]["world"]

@@ -5,7 +5,10 @@ operator's own rules."""
 from __future__ import annotations
 
 import copy
+import json
 import shlex
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -219,6 +222,43 @@ def test_configmap_carries_only_the_jobs_import_closure(rendered):
     assert size < kuberay.CONFIGMAP_LIMIT / 2
     if job == "env_check":
         assert "shared/loop.py" not in paths  # env_check never imports the training loop
+
+
+# Runs in a directory holding only the ConfigMap's files: the repo's editable install is taken
+# off the import path, so a module the ConfigMap lacks cannot be found in the checkout.
+ONLY_THE_CONFIGMAP = """
+import importlib, os, runpy, sys
+sys.meta_path[:] = [f for f in sys.meta_path if "Editable" not in repr(f)]
+sys.path.insert(0, ".")
+job, modules = sys.argv[1], sys.argv[2:]
+sys.argv = [f"jobs/{job}/main.py", "--print-config"]
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+except SystemExit as done:
+    assert not done.code, done.code
+for module in modules:
+    assert importlib.import_module(module).__file__.startswith(os.getcwd()), module
+"""
+
+
+def test_the_job_starts_from_the_configmap_alone(rendered, tmp_path):
+    """What the pods mount is enough: the job parses its settings and every shipped module
+    imports, from a directory that holds nothing else."""
+    job, configmap, rayjob = rendered
+    head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    (code,) = [v for v in head["volumes"] if "configMap" in v]
+    modules = []
+    for item in code["configMap"]["items"]:
+        path = tmp_path / item["path"]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(configmap["data"][item["key"]])
+        if item["path"].startswith("shared/"):
+            modules.append(item["path"].removesuffix(".py").removesuffix("/__init__")
+                           .replace("/", "."))  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", ONLY_THE_CONFIGMAP, job, *modules],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.splitlines()[-1])["job"] == job
 
 
 def test_code_configmap_maps_back_to_the_repo_files(rendered):

@@ -171,42 +171,61 @@ def test_a_diverging_run_stops_without_writing_non_finite_checkpoints(tmp_path, 
     assert record["diverged_at_step"] == step and record["status"] == "diverged"
 
 
-class WeightsTurnNaNAtStep3(DDPStrategy):
-    """Step 3's loss and gradient norm are finite, and then its update leaves a NaN weight;
-    a SIGTERM arrives during that step."""
+class WeightsTurnNaN(DDPStrategy):
+    """Step ``nan_at``'s loss and gradient norm are finite, and then its update leaves a NaN
+    weight; with ``sigterm``, a SIGTERM arrives during that step."""
 
-    steps = 0
+    nan_at, sigterm, steps = 3, False, 0
 
     def optimizer_step(self) -> float:
         grad_norm = super().optimizer_step()
         self.steps += 1
-        if self.steps == 3:
+        if self.steps == self.nan_at:
             with torch.no_grad():
                 next(unwrap(self.model).parameters()).view(-1)[0] = float("nan")
-            preemption._stop.set()  # what this process's SIGTERM handler sets
+            if self.sigterm:
+                preemption._stop.set()  # what this process's SIGTERM handler sets
         return grad_norm
 
 
-def test_a_stop_checkpoint_is_never_written_from_non_finite_weights(tmp_path, blocks):
-    """The weights check once ran on regular checkpoint steps only: a preemption stop saved
-    NaN weights as the latest checkpoint, and the rerun resumed from them."""
+def train_until_nan(tmp_path, blocks, nan_at: int, sigterm: bool = False, **settings):
+    """(summary, session) of a one-rank DDP run whose weights turn NaN at step ``nan_at``."""
     data, spec = blocks
-    cfg = make_cfg(tmp_path, max_steps=10, checkpoint_every=2)
+    cfg = make_cfg(tmp_path, max_steps=10, **settings)
     seed_everything(cfg.seed)
     model = build_gpt2(
         cfg.model, spec["vocab_size"], cfg.seq_len, eos_token_id=spec["eos_token_id"]
     )
     model = apply_ddp(model, torch.device("cpu"))
-    strategy = WeightsTurnNaNAtStep3(model, cfg, torch.device("cpu"), torch.float32)
+    strategy = WeightsTurnNaN(model, cfg, torch.device("cpu"), torch.float32)
+    strategy.nan_at, strategy.sigterm = nan_at, sigterm
     session = TorchrunSession(rank_batches(data, cfg.micro_batch_size, 0, 1),
                               str(tmp_path / "ckpt"), cfg.micro_batch_size, 0, 1)  # fmt: skip
     try:
-        summary = train(cfg, strategy, session)
+        return train(cfg, strategy, session), session
     finally:
         preemption._stop.clear()
+
+
+def test_a_stop_checkpoint_is_never_written_from_non_finite_weights(tmp_path, blocks):
+    """The weights check once ran on regular checkpoint steps only: a preemption stop saved
+    NaN weights as the latest checkpoint, and the rerun resumed from them."""
+    summary, session = train_until_nan(tmp_path, blocks, 3, sigterm=True, checkpoint_every=2)
     assert summary["status"] == "diverged" and summary["diverged_at_step"] == 3, summary
     assert summary["divergence"] == "non-finite weights"
     assert [os.path.basename(c) for c in session.checkpoints()] == ["step_000002"]
+
+
+def test_a_node_drain_checkpoint_counts_as_the_last_good_one(tmp_path, blocks, monkeypatch):
+    """A drain notice at step 3 saves step_000003 and training goes on; when step 5's update
+    then leaves a NaN weight (step 6's loss is NaN), the last good checkpoint is step 3 (it
+    once said none: only regular checkpoints were counted)."""
+    # The notice Ray Train would give (ray.train.get_preemption_info) arrives before step 3 ends.
+    monkeypatch.setattr(preemption.StopCheck, "node_draining", lambda self, step: step == 3)
+    summary, session = train_until_nan(tmp_path, blocks, 5, checkpoint_every=10)
+    assert summary["status"] == "diverged" and summary["diverged_at_step"] == 6, summary
+    assert [os.path.basename(c) for c in session.checkpoints()] == ["step_000003"]
+    assert summary["last_good_checkpoint_step"] == 3
 
 
 def lr_rows(run_dir) -> dict[int, float]:
@@ -245,7 +264,8 @@ def test_extending_max_steps_continues_the_learning_rate_from_the_resume_step(tm
 
 def test_extending_a_finished_run_continues_at_the_minimum_learning_rate(tmp_path, blocks):
     """The README's exp1 example: 10 of 10 steps, then max_steps=16. The LR stays at
-    lr x min_lr_ratio instead of jumping back up the longer cosine (1.71e-3 in issue 13)."""
+    lr x min_lr_ratio instead of jumping back up the longer cosine (a rebuilt cosine once put
+    step 21 at 1.71e-3 after 3.0e-4 at step 20)."""
     data, spec = blocks
     cfg = make_cfg(tmp_path, max_steps=10, checkpoint_every=10)
     run(cfg, data, spec, str(tmp_path / "ckpt"))

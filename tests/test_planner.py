@@ -349,8 +349,7 @@ def test_planner_equals_measured_state_bytes_on_three_gloo_ranks(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------
-# advice without hidden defaults (issue 13 item 7) and model states from the count alone
-# (issue 16 item 3)
+# advice without hidden defaults, and model states from the parameter count alone
 
 
 def plan_json(capsys, args: str) -> dict:
@@ -392,6 +391,28 @@ def test_7b_on_8_l4s_is_fsdp_with_activation_checkpointing(capsys):
     rec = plan_json(capsys, "--preset llama-7b --gpus 8 --gpu l4")["recommendation"]
     assert rec["strategy"] == "fsdp2"
     assert rec["settings"]["recompute"] == "full"
+
+
+def test_the_gpu_count_and_link_are_never_assumed_silently(capsys):
+    code, out, _ = run_main(capsys, "--preset", "gpt2", "--gpu-mem", "16GiB")
+    assert code == 0
+    assert "assumed: 8 GPUs (--gpus to change)" in out
+    assert "assumed: 8 GPUs per node (--gpus-per-node to change)" in out
+    assert "assumed: NVLink between a node's GPUs, for TP (no --gpu given; --link pcie" in out
+    given = plan_json(capsys, "--preset gpt2 --gpu-mem 16GiB --gpus 16 --gpus-per-node 8 "
+                              "--link pcie")  # fmt: skip
+    assert given["settings"]["intra_node_link"] == "pcie"
+    assert not [note for note in given["settings"]["assumed"] if "GPUs" in note]
+
+
+def test_tp_forced_by_a_given_micro_batch_says_so_truthfully(capsys):
+    """With --micro-batch 8 FSDP2 cannot fit 8 L4s, so TP it is; the reason once claimed
+    FSDP2 had been tried "at micro-batch 1 with full recomputation", which it had not."""
+    rec = plan_json(capsys, "--preset llama-7b --gpus 8 --gpu l4 --micro-batch 8")["recommendation"]
+    assert rec["strategy"] == "tp_sp"
+    assert "at the --micro-batch given (leave it out to search)" in rec["reason"]
+    assert "FSDP2 at micro-batch 8 (given) with full recomputation needs" in rec["reason"]
+    assert "micro-batch 1" not in rec["reason"]
 
 
 def test_llama_70b_on_64x80gb_gets_a_layout_that_fits_with_its_settings(capsys):
@@ -460,8 +481,8 @@ def test_sdpa_drops_the_score_term_and_eager_keeps_it(capsys):
 
 
 # ------------------------------------------------------------------------------------------
-# activations: the planner against the bytes autograd really keeps, per layer, on the CPU
-# (issue 16 item 2); docs/planner.md shows the same table
+# activations: the planner against the bytes autograd really keeps, per layer, on the CPU;
+# docs/planner.md shows the same table
 
 
 @pytest.mark.parametrize("point", measure.POINTS, ids=lambda p: p.label())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -33,6 +34,13 @@ def checkpointed(cfg) -> None:
     os.makedirs(os.path.join(cfg.run_dir, "step_000020"), exist_ok=True)
 
 
+def trained(tmp_path, cls=TrainConfig, **overrides) -> None:
+    """Run exp1's first start, up to its first checkpoint: the next start resumes it."""
+    first = start(tmp_path, cls, **overrides)
+    check_resume(first)
+    checkpointed(first)
+
+
 def test_the_first_start_records_its_resolved_settings(tmp_path):
     cfg = start(tmp_path, max_steps=20)
     assert check_resume(cfg) == []
@@ -43,9 +51,7 @@ def test_the_first_start_records_its_resolved_settings(tmp_path):
 
 
 def test_a_resume_that_changes_seq_len_is_refused_naming_both_values(tmp_path):
-    first = start(tmp_path)
-    check_resume(first)
-    checkpointed(first)
+    trained(tmp_path)
     with pytest.raises(ConfigError) as err:
         check_resume(start(tmp_path, seq_len=32, micro_batch_size=4))
     message = str(err.value)
@@ -56,8 +62,9 @@ def test_a_resume_that_changes_seq_len_is_refused_naming_both_values(tmp_path):
 @pytest.mark.parametrize(
     ("change", "named"),
     [
-        ({"micro_batch_size": 4}, "global_batch_size=16"),  # 8 x 1 x 2 -> 4 x 1 x 2
-        ({"num_workers": 1}, "global_batch_size=16"),
+        ({"micro_batch_size": 4}, "global batch of 16 sequences"),  # 8 x 1 x 2 -> 4 x 1 x 2
+        ({"num_workers": 1}, "global batch of 16 sequences"),
+        ({"use_gpu": True}, "use_gpu=False"),  # dtype=auto would pick bf16 on the GPU
         ({"model": "gpt2"}, "model=gpt2-tiny"),
         ({"dtype": "bf16"}, "dtype=auto"),
         ({"seed": 1}, "seed=0"),  # the generated dataset depends on it
@@ -65,17 +72,13 @@ def test_a_resume_that_changes_seq_len_is_refused_naming_both_values(tmp_path):
     ],
 )
 def test_changes_that_invalidate_the_checkpoint_are_refused(tmp_path, change, named):
-    first = start(tmp_path)
-    check_resume(first)
-    checkpointed(first)
+    trained(tmp_path)
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
         check_resume(start(tmp_path, **change))
 
 
 def test_harmless_changes_are_applied_and_listed(tmp_path):
-    first = start(tmp_path, max_steps=20)
-    check_resume(first)
-    checkpointed(first)
+    trained(tmp_path, max_steps=20)
     changes = check_resume(start(tmp_path, max_steps=40, log_every=1, checkpoint_every=5))
     assert changes == ["max_steps 20 -> 40", "checkpoint_every 10 -> 5", "log_every 5 -> 1"]
     # The record now holds this start's settings, so the next resume compares with them.
@@ -88,9 +91,7 @@ def test_without_a_checkpoint_nothing_is_resumed_so_nothing_is_refused(tmp_path)
 
 
 def test_a_world_size_change_that_keeps_the_global_batch_is_allowed(tmp_path):
-    first = start(tmp_path)
-    check_resume(first)
-    checkpointed(first)
+    trained(tmp_path)
     assert check_resume(start(tmp_path, num_workers=1, grad_accum=2)) == [
         "num_workers 2 -> 1",
         "grad_accum 1 -> 2",
@@ -102,25 +103,57 @@ def test_a_zero_run_resumes_at_another_world_size_with_the_same_global_batch(tmp
     so a ZeRO run, like fsdp, may change num_workers when the global batch stays."""
     from shared.config import ZeroConfig
 
-    first = start(tmp_path, cls=ZeroConfig)
-    check_resume(first)
-    checkpointed(first)
+    trained(tmp_path, cls=ZeroConfig)
     assert check_resume(start(tmp_path, cls=ZeroConfig, num_workers=1, grad_accum=2)) == [
         "num_workers 2 -> 1",
         "grad_accum 1 -> 2",
     ]
-    with pytest.raises(ConfigError, match="global_batch_size"):
+    with pytest.raises(ConfigError, match="global batch"):
         check_resume(start(tmp_path, cls=ZeroConfig, num_workers=1))
+
+
+def test_a_global_batch_refusal_names_the_settings_that_make_it(tmp_path):
+    trained(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        check_resume(start(tmp_path, grad_accum=2))
+    assert str(err.value) == (
+        "run ddp/exp1 was trained with a global batch of 16 sequences (micro_batch_size=8 x "
+        "grad_accum=1 x num_workers=2) and this start has 32 sequences (micro_batch_size=8 x "
+        "grad_accum=2 x num_workers=2), but a step and the data position count that many "
+        "sequences: keep the product at 16 to resume it, or start a new run with another "
+        "run_name."
+    )
+
+
+def test_an_explicit_dtype_may_move_from_cpu_to_gpu(tmp_path):
+    trained(tmp_path, dtype="fp32")
+    assert check_resume(start(tmp_path, dtype="fp32", use_gpu=True)) == ["use_gpu False -> True"]
 
 
 def test_an_elastic_job_may_change_its_world_size(tmp_path):
     """fault_tolerance keeps the checkpoint's global batch (grad_accum adapts) and deals the
     data in one global order, so num_workers is not part of its contract."""
-    first = start(tmp_path, cls=FaultToleranceConfig)
-    check_resume(first)
-    checkpointed(first)
+    trained(tmp_path, cls=FaultToleranceConfig)
     assert check_resume(start(tmp_path, cls=FaultToleranceConfig, num_workers=1)) == [
-        "num_workers 2 -> 1"
+        "num_workers 2 -> 1",
+        "global batch kept at 16 sequences (keep_global_batch; grad_accum adapts)",
+    ]
+    # The record keeps the batch it trains with, so the same command resumes again.
+    assert check_resume(start(tmp_path, cls=FaultToleranceConfig, num_workers=1)) == [
+        "global batch kept at 16 sequences (keep_global_batch; grad_accum adapts)"
+    ]
+
+
+def test_an_elastic_job_refuses_a_batch_change_the_checkpoint_would_override(tmp_path):
+    """keep_global_batch resumes with the checkpoint's batch: grad_accum=4 at the same world
+    size was once listed as applied, then silently replaced by the checkpoint's."""
+    trained(tmp_path, cls=FaultToleranceConfig)
+    with pytest.raises(ConfigError, match="global batch of 16 sequences"):
+        check_resume(start(tmp_path, cls=FaultToleranceConfig, grad_accum=4))
+    # Matching the checkpoint's batch at another world size is a resize, and fine.
+    assert check_resume(start(tmp_path, cls=FaultToleranceConfig, num_workers=1, grad_accum=2)) == [
+        "num_workers 2 -> 1",
+        "grad_accum 1 -> 2",
     ]
 
 
@@ -179,6 +212,32 @@ def test_an_empty_dataset_is_refused(tmp_path):
     assert dataset_error(os.path.dirname(path)) == f"dataset '{tmp_path / 'd'}' has no rows."
 
 
+def test_every_file_is_checked_not_only_the_first_with_rows(tmp_path):
+    parquet(tmp_path / "d" / "a.parquet", pa.table({"text": ["hello world"]}))
+    parquet(tmp_path / "d" / "b.parquet", pa.table({"body": ["no text column"]}))
+    assert f"dataset file '{tmp_path / 'd' / 'b.parquet'}' has no column 'text'" in dataset_error(
+        tmp_path / "d"
+    )
+    (tmp_path / "d" / "b.parquet").write_text("not parquet")
+    assert "b.parquet' is not readable parquet" in dataset_error(tmp_path / "d")
+
+
+def test_a_text_column_that_holds_no_text_is_refused(tmp_path):
+    path = parquet(tmp_path / "d.parquet", pa.table({"text": [1, 2]}))
+    assert dataset_error(path) == (
+        f"dataset file '{path}' has column 'text' of type int64, not text; set text_column= to "
+        "the column holding the text."
+    )
+
+
+def test_a_dataset_on_storage_it_cannot_reach_is_one_sentence(s3_server, monkeypatch):
+    """pyarrow's OSError (here: a wrong secret key) once escaped as a traceback."""
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-key")
+    message = dataset_error("s3://denied/corpus/train.parquet")
+    assert message.startswith("dataset 's3://denied/corpus/train.parquet' cannot be listed (")
+    assert "ACCESS_DENIED" in message and message.endswith(").")
+
+
 def test_a_good_dataset_passes(tmp_path):
     path = parquet(tmp_path / "d" / "part-0.parquet", pa.table({"text": ["hello world"]}))
     check_text_dataset(TextSource(dataset=os.path.dirname(path), tokenizer=""))
@@ -212,6 +271,13 @@ def test_help_with_the_full_profile_shows_its_values(capsys):
     text = help_text(capsys, "--profile", "full", "--help")
     assert setting_line(text, "cpus_per_worker") == "cpus_per_worker=8"
     assert setting_line(text, "model") == "model='gpt2'"
+
+
+def test_help_puts_every_short_settings_meaning_in_one_column(capsys):
+    settings = help_text(capsys, "--help").split("profile's values:\n", 1)[1].splitlines()
+    short = [line for line in settings if len(line.split()[0]) < 28]
+    columns = {re.match(r"  \S+ +", line).end() for line in short}
+    assert len(short) > 30 and len(columns) == 1, columns
 
 
 # ------------------------------------------------------------------------------------------
@@ -324,12 +390,36 @@ def test_the_drivers_own_lines_pass_unchanged():
     ]
 
 
+def test_verbose_shows_what_the_filter_hides_and_prints_the_data_stats(tmp_path, capsys):
+    import torch  # noqa: PLC0415
+
+    from shared.observability.log_filter import filtered_output  # noqa: PLC0415
+    from shared.observability.run_outputs import DATA_STATS_FILE, RankZeroOutputs  # noqa: PLC0415
+
+    class RankZero:  # the two things RankZeroOutputs asks a session for
+        rank, device = 0, torch.device("cpu")
+
+        def data_stats(self) -> str:
+            return "Operator 1 ReadParquet: 2 tasks executed, 4 blocks produced\n"
+
+    for verbose in (False, True):
+        cfg = start(tmp_path / str(verbose), verbose=verbose, tensorboard=False)
+        with filtered_output(str(tmp_path / "logs"), enabled=not cfg.verbose):
+            print(HEALTHY, end="", flush=True)
+            RankZeroOutputs(cfg, None, RankZero())._data_stats(None)
+        out = capsys.readouterr().out
+        stats_file = os.path.join(cfg.run_dir, DATA_STATS_FILE)
+        with open(stats_file) as f:
+            assert f.read().startswith("Operator 1 ReadParquet")
+        assert ("PreemptionWatcher" in out) is verbose
+        assert ("Operator 1 ReadParquet" in out) is verbose
+        assert (f"data pipeline stats: {stats_file}" in out) is not verbose
+
+
 def test_the_readme_quotes_the_refusal_the_code_prints(tmp_path):
     from conftest import REPO
 
-    first = start(tmp_path)
-    check_resume(first)
-    checkpointed(first)
+    trained(tmp_path)
     with pytest.raises(ConfigError) as err:
         check_resume(start(tmp_path, seq_len=32))
     assert f"`error: {err.value}`" in (REPO / "README.md").read_text()

@@ -9,7 +9,14 @@ Flat rather than nested on purpose: ``num_workers=4 lr=3e-4`` is what people typ
 flat namespace makes a clash between two knobs impossible to miss.
 """
 
-from shared.config.base import PROFILES, BaseConfig, ConfigError, TrainConfig, setting
+from shared.config.base import (
+    PROFILES,
+    BaseConfig,
+    ConfigError,
+    TrainConfig,
+    first_line,
+    setting,
+)
 from shared.config.cli import (
     apply_overrides,
     build_config,
@@ -25,5 +32,6 @@ from shared.config.jobs import FaultToleranceConfig, FSDPConfig, TP2DConfig, Zer
 __all__ = [
     "PROFILES", "BaseConfig", "ConfigError", "FSDPConfig", "FaultToleranceConfig", "TP2DConfig",
     "TrainConfig", "ZeroConfig", "apply_overrides", "build_config", "default_run_name",
-    "describe", "parse_args", "resolved_settings", "setting", "split_overrides", "user_fields",
+    "describe", "first_line", "parse_args", "resolved_settings", "setting", "split_overrides",
+    "user_fields",
 ]  # fmt: skip

@@ -18,6 +18,12 @@ class ConfigError(ValueError):
     """A bad setting. Its message is one sentence meant for the user."""
 
 
+def first_line(err: BaseException) -> str:
+    """An exception in a few words for a one-sentence message: its first line, or its type."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 def setting(default: Any, help: str, **kwargs: Any) -> Any:
     """A user-facing dataclass field: a default and the one-line help `--help` prints."""
     return field(default=default, metadata={"help": help}, **kwargs)
@@ -110,7 +116,9 @@ class TrainConfig(BaseConfig):
     """Settings shared by every training job. Jobs subclass it to add their own knobs."""
 
     # --- model ---------------------------------------------------------------------------
-    model: str = setting("gpt2-tiny", "Model preset (see shared/models/gpt2.py).")
+    model: str = setting(
+        "gpt2-tiny", "Model preset: gpt2-* (shared/models/gpt2.py); tp2d: llama-* (llama.py)."
+    )
     pretrained: str = setting("", "Hub name or path to load weights from; empty = random init.")
     init_from: str = setting(
         "",

@@ -100,11 +100,13 @@ def default_run_name(profile: str) -> str:
 def describe(cls: type, profile: dict[str, Any] | None = None) -> str:
     """One line per setting with its value in ``profile`` (else the default) and its help."""
     profile = profile or {}
-    lines = []
-    for name, f in user_fields(cls).items():
-        value = profile.get(name, f.default)
-        lines.append(f"  {name}={value!r:<14} {f.metadata.get('help', '')}")
-    return "\n".join(lines)
+    fields = user_fields(cls)
+    settings = {name: f"{name}={profile.get(name, f.default)!r}" for name, f in fields.items()}
+    # One column for the help text; a setting too long for it (a hub path) just pushes it right.
+    width = min(max(map(len, settings.values())), 30)
+    return "\n".join(
+        f"  {settings[name]:<{width}}  {f.metadata.get('help', '')}" for name, f in fields.items()
+    )
 
 
 def parse_args(

@@ -250,37 +250,60 @@ def parquet_files(path: str) -> tuple[object, list[str]]:
     return fs, [inner]
 
 
-def check_text_dataset(source: TextSource, files_to_count: int = 16) -> None:
+def check_text_dataset(source: TextSource) -> None:
     """What Ray Data would find out only after the cluster started, from parquet metadata:
-    the path holds parquet files (Ray reads only ``*.parquet``), they are readable, have the
-    text column and rows. Raises ConfigError with one sentence."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    the path holds parquet files (Ray reads only ``*.parquet``), every one is readable and has
+    the text column as strings, and together they have rows. Raises ConfigError with one
+    sentence, also when the storage itself cannot be reached."""
+    import concurrent.futures
 
-    from shared.config import ConfigError
+    import pyarrow as pa
+
+    from shared.config import ConfigError, first_line
 
     path = source.dataset
-    fs, parquet = parquet_files(path)
+    try:
+        fs, files = parquet_files(path)
+    except OSError as err:  # no such bucket, no credentials, endpoint down, hub offline ...
+        raise ConfigError(f"dataset '{path}' cannot be listed ({first_line(err)}).") from None
+    # One footer per file (a GET on object storage), fetched in parallel; the first bad file in
+    # listing order is reported, so the message does not depend on thread timing.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(files))) as pool:
+        footers = list(pool.map(lambda file: _read_footer(fs, file), files))
     rows = 0
-    for file in parquet[:files_to_count]:  # footers only; stop once rows are found
-        try:
-            with fs.open_input_file(file) as f:
-                metadata = pq.ParquetFile(f).metadata
-                schema = metadata.schema.to_arrow_schema()
-        except (pa.ArrowInvalid, OSError) as err:
-            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    for file, footer in zip(files, footers, strict=True):
+        if isinstance(footer, Exception):
             raise ConfigError(
-                f"dataset file '{file}' is not readable parquet ({reason})."
-            ) from None
+                f"dataset file '{file}' is not readable parquet ({first_line(footer)})."
+            )
+        schema, num_rows = footer
         if source.text_column not in schema.names:
             raise ConfigError(
                 f"dataset file '{file}' has no column '{source.text_column}' (columns: "
                 f"{', '.join(schema.names)}); set text_column= to the column holding the text."
             )
-        rows += metadata.num_rows
-        if rows:
-            return
-    raise ConfigError(f"dataset '{path}' has no rows.")
+        kind = schema.field(source.text_column).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            raise ConfigError(
+                f"dataset file '{file}' has column '{source.text_column}' of type {kind}, not "
+                "text; set text_column= to the column holding the text."
+            )
+        rows += num_rows
+    if not rows:
+        raise ConfigError(f"dataset '{path}' has no rows.")
+
+
+def _read_footer(fs, file: str):
+    """(arrow schema, rows) of one parquet file from its footer, or the error reading it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        with fs.open_input_file(file) as f:
+            metadata = pq.ParquetFile(f).metadata
+            return metadata.schema.to_arrow_schema(), metadata.num_rows
+    except (pa.ArrowException, OSError) as err:
+        return err
 
 
 # ------------------------------------------------------------------------------------------

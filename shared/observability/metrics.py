@@ -93,6 +93,12 @@ def finite_or_null(value, path: str = "", flagged: list[str] | None = None):
 DIVERGENCE_FILE = "divergence.json"
 
 
+def diverged_sentence(step: int, divergence: str) -> str:
+    """What a diverged run says once when it stops (the driver's error line; rank 0's line
+    without Ray), before naming the last good checkpoint."""
+    return f"training diverged at step {step} ({divergence}); this step was not saved"
+
+
 def strict_json(record: dict, **dump_kwargs) -> str:
     """JSON that every parser accepts: non-finite numbers become null and are listed under
     ``nonfinite``."""

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 
 from shared.config import ConfigError
 from shared.planner.activations import ATTENTION, RECOMPUTE
-from shared.planner.hardware import GPUS, PRECISIONS
+from shared.planner.hardware import GPUS, LINKS, PRECISIONS
 from shared.planner.memory import Settings, tp_candidates
 from shared.planner.recommend import Search
 from shared.planner.render import make_plan, render_table, to_json
@@ -44,10 +44,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-heads", type=int, default=0, help="--params: KV heads (default heads)")
     p.add_argument("--ffn", type=int, default=0, help="--params: MLP width (default 4 x hidden)")
     p.add_argument("--vocab", type=int, default=0, help="vocabulary (presets: the tokenizer's)")
-    p.add_argument("--gpus", type=int, default=8, help="GPUs in total (default 8)")
-    p.add_argument("--gpus-per-node", type=int, default=0, help="default min(gpus, 8)")
+    p.add_argument("--gpus", type=int, help="GPUs in total (default 8, printed)")
+    p.add_argument("--gpus-per-node", type=int, default=0,
+                   help="default min(gpus, 8), printed")  # fmt: skip
     p.add_argument("--gpu", choices=sorted(GPUS),
                    help="GPU model: memory, native bf16, intra-node link")  # fmt: skip
+    p.add_argument(
+        "--link",
+        choices=LINKS,
+        help="intra-node link, for TP's advice (default: --gpu's; nvlink, printed)",
+    )
     p.add_argument("--gpu-mem", help="memory per GPU with a unit: 16GiB, 80GB (overrides --gpu)")
     p.add_argument(
         "--headroom",
@@ -113,20 +119,25 @@ def parse_headroom(text: str, gpu_mem: int) -> int:
 
 def settings_from_args(args: argparse.Namespace, model: ModelSpec) -> tuple[Settings, list[str]]:
     """The settings, and a line for each one the user did not give (printed as 'assumed')."""
-    for name in ("gpus", "micro_batch", "global_batch"):
-        if getattr(args, name) < 0 or (name == "gpus" and args.gpus < 1):
+    if args.gpus is not None and args.gpus < 1:
+        raise ConfigError(f"--gpus must be >= 1 (got {args.gpus}).")
+    for name in ("micro_batch", "global_batch"):
+        if getattr(args, name) < 0:
             raise ConfigError(
                 f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})."
             )
     if args.seq_len < 0 or args.gpus_per_node < 0 or args.tp < 0:
         raise ConfigError("--seq-len, --gpus-per-node and --tp must be >= 1 when given.")
-    per_node = args.gpus_per_node or min(args.gpus, 8)
-    if args.gpus > per_node and args.gpus % per_node:
-        raise ConfigError(
-            f"--gpus ({args.gpus}) must be a multiple of --gpus-per-node ({per_node})."
-        )
-    per_node = min(per_node, args.gpus)
     notes = []
+    gpus = args.gpus or 8
+    if args.gpus is None:
+        notes.append("8 GPUs (--gpus to change)")
+    per_node = args.gpus_per_node or min(gpus, 8)
+    if gpus > per_node and gpus % per_node:
+        raise ConfigError(f"--gpus ({gpus}) must be a multiple of --gpus-per-node ({per_node}).")
+    per_node = min(per_node, gpus)
+    if not args.gpus_per_node and gpus > 1:
+        notes.append(f"{per_node} GPUs per node (--gpus-per-node to change)")
     gpu = GPUS.get(args.gpu or "")
     gpu_mem = parse_size(args.gpu_mem, "--gpu-mem") if args.gpu_mem else 0
     if args.gpu_mem and gpu_mem <= 0:
@@ -155,8 +166,11 @@ def settings_from_args(args: argparse.Namespace, model: ModelSpec) -> tuple[Sett
     if args.attention == "sdpa" and model.has_shape:
         notes.append("fused attention (SDPA/flash: no score matrix stored; --attention eager "
                      "if the model materializes it)")  # fmt: skip
+    link = args.link or (gpu.link if gpu else "nvlink")
+    if not args.link and not gpu and per_node > 1 and model.has_shape:
+        notes.append("NVLink between a node's GPUs, for TP (no --gpu given; --link pcie to change)")
     settings = Settings(
-        gpus=args.gpus,
+        gpus=gpus,
         gpus_per_node=per_node,
         gpu_mem=gpu_mem,
         headroom=parse_headroom(args.headroom, gpu_mem) if gpu_mem else 0,
@@ -164,9 +178,9 @@ def settings_from_args(args: argparse.Namespace, model: ModelSpec) -> tuple[Sett
         seq_len=args.seq_len or model.default_seq_len,
         precision=PRECISIONS[precision],
         recompute=args.recompute or "none",
-        tp=resolve_tp(args.tp, model, args.gpus, per_node) if model.has_shape else 1,
+        tp=resolve_tp(args.tp, model, gpus, per_node) if model.has_shape else 1,
         attention=args.attention,
-        link=gpu.link if gpu else "nvlink",
+        link=link,
     )
     return settings, notes
 

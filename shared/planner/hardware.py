@@ -54,6 +54,8 @@ class GPU:
 
 
 MiB = 1024**2
+LINKS = ("nvlink", "pcie")  # what TP traffic crosses inside a node
+
 # Memory as nvidia-smi reports it on each card (MiB); bf16 from the compute capability
 # (sm75 T4: no; sm80+ yes); links from the AWS/GCP instances that carry them (g4dn T4, g6 L4,
 # g5 A10G: PCIe; p4d/p4de A100, p5 H100, p5e H200: NVLink/NVSwitch).

@@ -89,7 +89,8 @@ def search_rows(model: ModelSpec, settings: Settings, search: Search) -> list[Es
     return chosen
 
 
-def choose(model: ModelSpec, settings: Settings, rows: list[Estimate]) -> tuple[str, str] | None:
+def choose(model: ModelSpec, settings: Settings, rows: list[Estimate],
+           search: Search) -> tuple[str, str] | None:  # fmt: skip
     """The framework, in order: DDP; the model states overflow -> ZeRO-1, ZeRO-2 (as much
     communication as DDP), FSDP2, ZeRO-3 (1.5x); each already at the least recomputation and
     largest micro-batch that fits. TP only when no data-parallel layout fits at micro-batch 1
@@ -134,12 +135,12 @@ def choose(model: ModelSpec, settings: Settings, rows: list[Estimate]) -> tuple[
             if dp_blocked:
                 because = f"data parallelism alone cannot: {dp_blocked[0].note.rstrip('.')}"
             else:
-                fsdp = by_key["fsdp2"].columns
+                fsdp = by_key["fsdp2"]
+                cols = fsdp.columns
                 because = (
-                    f"a layer is too wide for data parallelism alone: even FSDP2 at micro-batch "
-                    f"1 with full recomputation needs {format_size(fsdp['total'])} per GPU "
-                    f"({format_size(fsdp['activations'])} of activations, "
-                    f"{format_size(fsdp['buffers'])} of gathered parameters)"
+                    f"{too_wide(search)}: even FSDP2 {at_settings(fsdp, search)} needs "
+                    f"{format_size(cols['total'])} per GPU ({format_size(cols['activations'])} "
+                    f"of activations, {format_size(cols['buffers'])} of gathered parameters)"
                 )
             return key, f"{because}; {link}{why}."
     if fits["zero3_offload"]:
@@ -151,6 +152,24 @@ def choose(model: ModelSpec, settings: Settings, rows: list[Estimate]) -> tuple[
             "live in CPU RAM and the optimizer step runs on the CPU: expect it to be slow."
         )
     return None
+
+
+def too_wide(search: Search) -> str:
+    """Why data parallelism alone does not fit: a layer, or the settings the user fixed."""
+    if search.micro_batch is None and search.recompute is None:
+        return "a layer is too wide for data parallelism alone"
+    given = [flag for flag, value in (("--micro-batch", search.micro_batch),
+                                      ("--recompute", search.recompute)) if value]  # fmt: skip
+    return (
+        f"data parallelism does not fit at the {' and '.join(given)} given (leave it out to search)"
+    )
+
+
+def at_settings(row: Estimate, search: Search) -> str:
+    """'at micro-batch 8 (given) with full recomputation' for the row's settings."""
+    batch = f"micro-batch {row.micro_batch}{' (given)' if search.micro_batch else ''}"
+    recompute = "no recomputation" if row.recompute == "none" else f"{row.recompute} recomputation"
+    return f"at {batch} with {recompute}{' (given)' if search.recompute else ''}"
 
 
 def searched_extremes(search: Search) -> str:
@@ -171,7 +190,7 @@ def recommend(model: ModelSpec, settings: Settings, rows: list[Estimate],
     advised-only parts (PP, CP, EP)."""
     search = search or Search(settings.micro_batch, settings.recompute)
     advice = general_advice(model, settings, rows)
-    choice = choose(model, settings, rows)
+    choice = choose(model, settings, rows, search)
     if choice is None:
         frugal = dataclasses.replace(settings, micro_batch=1, recompute="full")
         return Recommendation("none", (

@@ -20,10 +20,10 @@ from typing import Any
 
 from shared import storage
 from shared.checkpoint import init_from, resume
-from shared.config import ConfigError, user_fields
+from shared.config import ConfigError, first_line, user_fields
 from shared.config.run_settings import check_resume
 from shared.observability import startup
-from shared.observability.metrics import DIVERGENCE_FILE, strict_json
+from shared.observability.metrics import DIVERGENCE_FILE, diverged_sentence, strict_json
 from shared.observability.stack import DRIVER, register_process
 from shared.runtime import preemption
 from shared.runtime.cluster import (
@@ -95,10 +95,9 @@ class TrainingGaveUp(RuntimeError):
     """The run failed more often than FailureConfig(max_failures) allows."""
 
     def __init__(self, max_failures: int, cause: BaseException):
-        first_line = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
         super().__init__(
             f"training failed and Ray Train gave up after max_failures={max_failures} "
-            f"restart(s): {type(cause).__name__}: {first_line}"
+            f"restart(s): {type(cause).__name__}: {first_line(cause)}"
         )
 
 
@@ -119,12 +118,7 @@ class TrainingDiverged(RuntimeError):
 
     def __init__(self, record: dict):
         self.record = record
-        good = record.get("last_good_checkpoint_step")
-        after = f" after step {good}" if good else ""
-        super().__init__(
-            f"training diverged at step {record['diverged_at_step']} ({record['divergence']}); "
-            f"no checkpoint was written{after}"
-        )
+        super().__init__(diverged_sentence(record["diverged_at_step"], record["divergence"]))
 
 
 def divergence_of_this_run(cfg) -> dict | None:
@@ -279,7 +273,7 @@ def job_run(cfg, run: JobRun | None = None, preflight=()) -> Iterator[JobRun]:
 
     Before any cluster starts: local resources, the ``preflight`` checks (e.g. the dataset)
     and the resume contract (shared/config/run_settings.py). Exit status: 0 on success, 2 for a bad
-    setting, 1 for a failed or diverged run.
+    setting or unreachable storage, 1 for a failed or diverged run, 143 for a preempted one.
     """
     run = run or JobRun(cfg)
     try:
@@ -289,6 +283,10 @@ def job_run(cfg, run: JobRun | None = None, preflight=()) -> Iterator[JobRun]:
         changes = check_resume(cfg)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except OSError as err:  # storage_path or the dataset unreachable: no bucket, no credentials
+        print(f"error: storage unreachable before the run started ({first_line(err)}).",
+              file=sys.stderr)  # fmt: skip
         raise SystemExit(2) from None
     if changes:
         print(f"resuming {cfg.job}/{cfg.run_name} with changed settings: {', '.join(changes)}",
@@ -322,9 +320,12 @@ def job_run(cfg, run: JobRun | None = None, preflight=()) -> Iterator[JobRun]:
     storage.write_text(storage.join(cfg.run_dir, "summary.json"), strict_json(summary, indent=2))
     lease.release()
     if error:
-        hint = (
-            f"; last complete checkpoint: {summary['checkpoint']}" if summary["checkpoint"] else ""
-        )
+        if isinstance(error, TrainingDiverged):  # the one line naming the step, and what is safe
+            hint = f"; last good checkpoint: {summary['checkpoint'] or 'none'}"
+        elif summary["checkpoint"]:
+            hint = f"; last complete checkpoint: {summary['checkpoint']}"
+        else:
+            hint = ""
         print(f"error: {summary['error']}{hint}", file=sys.stderr, flush=True)
     sys.stderr.flush()
     print(f"SUMMARY {strict_json(summary)}", flush=True)  # the last line, also after an error

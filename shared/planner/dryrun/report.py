@@ -108,7 +108,6 @@ def dry_run(job: str, profile: str, overrides: list[str], out=print,
                 f"{deepspeed_estimate(cfg, spec.n_params, largest, compute)} of model states "
                 "per GPU (its own 18-byte rule), next to the planner's layout above."
             )
-            traced = dict.fromkeys(ROWS)
         else:
             model, tp_mesh = wrap(job, cfg, model, dtype)
             traced.update(traced_model_states(model, cfg))
