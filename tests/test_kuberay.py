@@ -24,10 +24,17 @@ def schema():
     return kuberay.rayjob_schema()
 
 
+@pytest.fixture(scope="module")
+def renders() -> dict[str, tuple[dict, dict]]:
+    """{job: (ConfigMap, RayJob)}, rendered once per module (each render reads the job's
+    resolved config in a subprocess)."""
+    return {job: kuberay.render(job) for job in JOBS}
+
+
 @pytest.fixture(scope="module", params=JOBS)
-def rendered(request):
+def rendered(request, renders):
     job = request.param
-    configmap, rayjob = kuberay.render(job)
+    configmap, rayjob = renders[job]
     return job, configmap, rayjob
 
 
@@ -224,41 +231,50 @@ def test_configmap_carries_only_the_jobs_import_closure(rendered):
         assert "shared/loop.py" not in paths  # env_check never imports the training loop
 
 
-# Runs in a directory holding only the ConfigMap's files: the repo's editable install is taken
-# off the import path, so a module the ConfigMap lacks cannot be found in the checkout.
+# Runs each job in a directory holding only its ConfigMap's files: the repo's editable install
+# is taken off the import path, so a module a ConfigMap lacks cannot come from the checkout.
+# One process for all jobs (torch is imported once); the project's modules are forgotten
+# between jobs.
 ONLY_THE_CONFIGMAP = """
-import importlib, os, runpy, sys
+import importlib, json, os, runpy, sys
 sys.meta_path[:] = [f for f in sys.meta_path if "Editable" not in repr(f)]
-sys.path.insert(0, ".")
-job, modules = sys.argv[1], sys.argv[2:]
-sys.argv = [f"jobs/{job}/main.py", "--print-config"]
-try:
-    runpy.run_path(sys.argv[0], run_name="__main__")
-except SystemExit as done:
-    assert not done.code, done.code
-for module in modules:
-    assert importlib.import_module(module).__file__.startswith(os.getcwd()), module
+for job, modules in json.loads(sys.argv[1]).items():
+    for name in [n for n in sys.modules if n.split(".")[0] in ("shared", "jobs")]:
+        del sys.modules[name]
+    os.chdir(job)
+    sys.path[0] = os.getcwd()
+    importlib.invalidate_caches()
+    sys.argv = [f"jobs/{job}/main.py", "--print-config"]
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as done:
+        assert not done.code, (job, done.code)
+    for module in modules:
+        assert importlib.import_module(module).__file__.startswith(os.getcwd()), (job, module)
+    os.chdir("..")
 """
 
 
-def test_the_job_starts_from_the_configmap_alone(rendered, tmp_path):
+def test_each_job_starts_from_its_configmap_alone(renders, tmp_path):
     """What the pods mount is enough: the job parses its settings and every shipped module
     imports, from a directory that holds nothing else."""
-    job, configmap, rayjob = rendered
-    head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
-    (code,) = [v for v in head["volumes"] if "configMap" in v]
-    modules = []
-    for item in code["configMap"]["items"]:
-        path = tmp_path / item["path"]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(configmap["data"][item["key"]])
-        if item["path"].startswith("shared/"):
-            modules.append(item["path"].removesuffix(".py").removesuffix("/__init__")
-                           .replace("/", "."))  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", ONLY_THE_CONFIGMAP, job, *modules],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)  # fmt: skip
+    shipped = {}
+    for job, (configmap, rayjob) in renders.items():
+        head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+        (code,) = [v for v in head["volumes"] if "configMap" in v]
+        shipped[job] = []
+        for item in code["configMap"]["items"]:
+            path = tmp_path / job / item["path"]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(configmap["data"][item["key"]])
+            if item["path"].startswith("shared/"):
+                module = item["path"].removesuffix(".py").removesuffix("/__init__")
+                shipped[job].append(module.replace("/", "."))
+    proc = subprocess.run([sys.executable, "-c", ONLY_THE_CONFIGMAP, json.dumps(shipped)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert json.loads(proc.stdout.splitlines()[-1])["job"] == job
+    printed = [json.loads(line)["job"] for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert printed == JOBS
 
 
 def test_code_configmap_maps_back_to_the_repo_files(rendered):
