@@ -1,6 +1,6 @@
 """Keep the jobs' Containerfiles in step with the one base definition in images/.
 
-``images/requirements.txt`` is the pin list (equal to pyproject.toml, tests/test_pins.py) and
+``images/requirements.txt`` is the pin list (equal to pyproject.toml, tests/unit/test_pins.py) and
 ``images/Containerfile`` the base image. Anyscale builds a Containerfile as text, without a
 build context, so the pins cannot be COPYed in: they are written into the file's
 ``pip install`` lines, and every job gets a copy (a job folder copied on its own still builds).

@@ -12,6 +12,7 @@ written down twice.
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import os
 import shlex
@@ -112,20 +113,24 @@ class JobSpec:
         argv = self.entrypoint(profile, overrides)
         # This checkout's `shared` first, not whichever one the venv's editable install names.
         path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-        proc = subprocess.run(
-            [sys.executable, *argv[1:], "--print-config"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            env={**os.environ, "PYTHONPATH": path},
-        )
-        if proc.returncode != 0:
-            last_line = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+        returncode, stdout, stderr = _print_config(tuple(argv[1:]), path)
+        if returncode != 0:
+            last_line = (stderr.strip().splitlines() or [f"exit {returncode}"])[-1]
             raise JobSpecError(
                 f"{self.path.relative_to(REPO)}: the entrypoint's settings do not parse: "
                 f"{last_line}"
             )
-        return json.loads(proc.stdout.strip().splitlines()[-1])
+        return json.loads(stdout.strip().splitlines()[-1])
+
+
+@functools.lru_cache(maxsize=256)
+def _print_config(argv: tuple[str, ...], python_path: str) -> tuple[int, str, str]:
+    """``main.py ... --print-config`` once per entrypoint in a process: each start imports
+    torch and Ray (~5 s), and rendering asks for the same settings many times."""
+    proc = subprocess.run([sys.executable, *argv, "--print-config"], cwd=REPO,
+                          capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": python_path})  # fmt: skip
+    return proc.returncode, proc.stdout, proc.stderr
 
 
 def load(job: str) -> JobSpec:

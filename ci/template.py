@@ -17,7 +17,7 @@ What the copy says is rewritten for where it now lives: ``make`` commands take n
 and a command, link or path the copy does not have (``make run-cluster``, ``tests/...``,
 ``compute_configs/...``, ``../ddp/README.md``) is dropped from command blocks and job.yaml's
 comments, or named as the monorepo's in prose. ``dangling_references`` finds any that remain
-(tests/test_template.py runs it on every job's export).
+(tests/unit/test_template.py runs it on every job's export).
 """
 
 from __future__ import annotations

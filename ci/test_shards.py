@@ -2,7 +2,8 @@
 
     python ci/test_shards.py 4 0     # the test files of shard 0 of 4, space-separated
 
-Every ``tests/test_*.py`` lands in exactly one shard (round robin over the sorted names), so
+Every ``tests/<tier>/test_*.py`` (unit, dist, e2e) lands in exactly one shard (round robin
+over the sorted names), so
 the shards together run what ``make test`` runs - a new test file cannot be left out.
 """
 
@@ -15,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def shards(count: int) -> list[list[str]]:
-    files = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "tests").glob("test_*.py"))
+    files = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "tests").glob("*/test_*.py"))
     return [files[i::count] for i in range(count)]
 
 

@@ -17,7 +17,8 @@ dp ranks / number of predicted tokens, and perplexity = exp(loss).
 
 Evaluation must not change training: the model is put in eval mode (and back), no gradient
 is computed, the RNG state is restored afterwards, and the training batches are not touched.
-A run with and without evaluation ends with bitwise-identical weights (tests/test_evaluation.py).
+A run with and without evaluation ends with bitwise-identical weights
+(tests/dist/test_evaluation.py).
 """
 
 from __future__ import annotations

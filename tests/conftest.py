@@ -18,24 +18,62 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 
 
-# `make test` hands whole files to its workers in collection order (--dist loadfile
-# --no-loadscope-reorder): the longest end-to-end files first, so the short unit files fill
-# the end and no worker is left running one long file alone. Roughly by their --durations
-# (test_e2e_sharded.py alone is ~30 min of one worker); files not named keep their place after.
+# Three tiers, one folder each (docs/testing.md): unit/ runs in one process with no Ray, no
+# server and no process group; dist/ runs real torch.distributed gloo groups without Ray;
+# e2e/ needs Ray, the S3 server or a multi-node cluster. `make test` hands whole files to its
+# workers in collection order (--dist loadfile --no-loadscope-reorder): the longest files
+# first, so the short unit files fill the end and no worker is left running one long file
+# alone. Roughly by their --durations; files not named keep their place after.
 SLOWEST_FIRST = (
-    "test_e2e_sharded.py", "test_e2e_jobs.py", "test_e2e_s3.py", "test_e2e_fault_tolerance.py",
-    "test_e2e_elastic.py", "test_e2e_tp2d.py", "test_e2e_checkpoint_integrity.py",
-    "test_e2e_deploy.py", "test_e2e_preemption.py", "test_e2e_observability.py",
-    "test_e2e_docs.py",
+    "e2e/test_s3.py", "e2e/test_fault_tolerance.py", "e2e/test_elastic.py",
+    "e2e/test_deploy.py", "e2e/test_preemption.py", "e2e/test_jobs.py",
+    "e2e/test_data_packing.py", "e2e/test_tp2d.py", "dist/test_strategies.py",
+    "e2e/test_docs.py", "e2e/test_observability.py", "dist/test_export.py",
+    "unit/test_kuberay.py", "dist/test_tp2d.py", "unit/test_docs.py",
 )  # fmt: skip
+TIER_OF_FOLDER = {"unit": "unit", "dist": "dist", "e2e": "e2e"}
+# What a unit test may not use: these fixtures start a server or a Ray cluster.
+NOT_IN_UNIT = {"s3_server", "s3_prefix", "ray_local", "job_cluster"}
+
+
+def tier(item: pytest.Item) -> str:
+    return TIER_OF_FOLDER.get(item.path.parent.name, "unit")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     def rank(item: pytest.Item) -> int:
-        name = item.path.name
+        name = f"{item.path.parent.name}/{item.path.name}"
         return SLOWEST_FIRST.index(name) if name in SLOWEST_FIRST else len(SLOWEST_FIRST)
 
+    for item in items:
+        if tier(item) == "e2e":  # `-m "not e2e"` still selects what needs no cluster
+            item.add_marker(pytest.mark.e2e)
+        elif tier(item) == "unit" and NOT_IN_UNIT & set(item.fixturenames):
+            raise pytest.UsageError(
+                f"{item.nodeid} uses {sorted(NOT_IN_UNIT & set(item.fixturenames))}: a server "
+                "or a Ray cluster belongs in tests/e2e/, not tests/unit/"
+            )
     items.sort(key=rank)  # stable: within a file, and among the rest, the order is unchanged
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_processes(request, monkeypatch):
+    """tests/unit/ stays one process: a Ray cluster or a spawned process group fails here."""
+    if tier(request.node) != "unit":
+        return
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError(
+            "tests/unit/ starts no Ray cluster and no process group: move this test to "
+            "tests/dist/ (gloo ranks) or tests/e2e/ (Ray)"
+        )
+
+    import torch.multiprocessing
+
+    monkeypatch.setattr(torch.multiprocessing, "spawn", refuse)
+    monkeypatch.setattr(torch.multiprocessing, "start_processes", refuse)
+    if "ray" in sys.modules:
+        monkeypatch.setattr(sys.modules["ray"], "init", refuse)
 
 
 @dataclass
@@ -104,13 +142,9 @@ def job_cluster():
         _stop_job_cluster()
 
 
-def run_job(
-    job: str, *overrides: str, storage: Path, timeout: float = 600, interleaved: bool = False
-) -> JobResult:
-    """``python jobs/<job>/main.py --profile smoke storage_path=... <overrides>``.
-
-    ``interleaved``: stderr goes into stdout in the order it was written, as on a terminal
-    (for tests that check what a user sees, line by line)."""
+def job_command(job: str, *overrides: str, storage: Path | str) -> tuple[list[str], dict]:
+    """``(argv, env)`` of ``python jobs/<job>/main.py storage_path=... <overrides>``, joining
+    the module's shared cluster where the module asked for one (`job_cluster`)."""
     cmd = [
         sys.executable,
         str(REPO / "jobs" / job / "main.py"),
@@ -123,6 +157,17 @@ def run_job(
         cmd.append(f"ray_address={cluster.address}")
         env.update({key: cluster.env[key] for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN",
                                                       "RAY_TMPDIR")})  # fmt: skip
+    return cmd, env
+
+
+def run_job(
+    job: str, *overrides: str, storage: Path, timeout: float = 600, interleaved: bool = False
+) -> JobResult:
+    """``python jobs/<job>/main.py --profile smoke storage_path=... <overrides>``.
+
+    ``interleaved``: stderr goes into stdout in the order it was written, as on a terminal
+    (for tests that check what a user sees, line by line)."""
+    cmd, env = job_command(job, *overrides, storage=storage)
     stderr = subprocess.STDOUT if interleaved else subprocess.PIPE
     proc = subprocess.run(
         cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=timeout, env=env

@@ -7,7 +7,7 @@ transformers' ``rotate_half`` rotates channel i with channel i + head_dim/2. Bot
 same attention scores once the rows of ``wq`` and ``wk`` are reordered inside every head
 (q.k is invariant under one permutation applied to both): exactly what Meta's
 ``convert_llama_weights_to_hf`` does. Without it the exported model still produces
-plausible text, with wrong logits (tests/test_export.py checks them to 1e-5).
+plausible text, with wrong logits (tests/dist/test_export.py checks them to 1e-5).
 """
 
 from __future__ import annotations

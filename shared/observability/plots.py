@@ -43,6 +43,12 @@ def save_run_plots(rows: list[dict], path: str, title: str = "") -> str:
     `rows` are metrics.jsonl rows (keys step, loss, tokens_per_s, data_wait_fraction);
     missing keys are skipped, so a partial row set still plots.
     """
+    return _save(run_figure(rows, title), path)
+
+
+def run_figure(rows: list[dict], title: str = ""):
+    """The figure :func:`save_run_plots` writes, open, so its series can be inspected (the
+    caller closes it: ``plt.close(fig)``)."""
     fig, (loss_ax, speed_ax) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
 
     steps, losses = _column(rows, "loss")
@@ -71,7 +77,7 @@ def save_run_plots(rows: list[dict], path: str, title: str = "") -> str:
         wait_ax.set_ylim(0, 100)
         lines = speed_ax.get_lines() + wait_ax.get_lines()
         speed_ax.legend(lines, [line.get_label() for line in lines], loc="lower right")
-    return _save(fig, path)
+    return fig
 
 
 def save_bar_chart(

@@ -179,7 +179,7 @@ class ZeroStrategy(Strategy):
         finally:
             self.model._config.load_universal_checkpoint = False
         # Two defects of DeepSpeed 0.19.8's universal load, each of which changes the next
-        # update (tests/test_zero_universal.py): every param group gets the first group's
+        # update (tests/dist/test_zero_universal.py): every param group gets the first group's
         # hyperparameters (our no-decay group would decay), and every group's state gets the
         # same `step` tensor, which AdamW then increments once per group per step.
         for group, before in zip(optimizer.param_groups, groups, strict=True):

@@ -62,7 +62,7 @@ def sdpa_layer_bytes(
 ) -> float:
     """Bytes one layer of the templates' own models keeps for its backward with fused attention
     (``F.scaled_dot_product_attention``), counted tensor by tensor from what autograd saves and
-    checked against the CPU measurement (``shared.planner.measure``, tests/test_planner.py,
+    checked against the CPU measurement (``shared.planner.measure``, tests/unit/test_planner.py,
     docs/planner.md). In units of s*b*h elements, k = kv_heads / heads, f' = ffn / h:
 
     * Llama (``shared/models/llama.py``: RMSNorm, separate wq/wk/wv, RoPE, SwiGLU):

@@ -7,7 +7,8 @@ share one) and which block was running; after the forward, the storages still al
 autograd saved (the model's outputs are dropped first). Parameters never count. This covers
 full recomputation too, where ``torch.utils.checkpoint`` keeps only each block's input.
 
-Used by tests/test_planner.py and docs/planner.md's table (``python -m shared.planner.measure``).
+Used by tests/unit/test_planner.py and docs/planner.md's table
+(``python -m shared.planner.measure``).
 """
 
 from __future__ import annotations
@@ -274,7 +275,7 @@ class _ForwardOnly(torch.nn.Module):
         return self.run(self.model, x)
 
 
-# docs/planner.md's table and tests/test_planner.py's cases: both models, both dtypes, GQA,
+# docs/planner.md's table and tests/unit/test_planner.py's cases: both models, both dtypes, GQA,
 # tp 2 and 4 with sequence parallelism, full recomputation, several (b, s, h, a).
 POINTS = (
     Point("gpt2", 2, 32, 64, 4),
